@@ -1,0 +1,113 @@
+"""UniPrefill settings and their validation.
+
+One frozen dataclass holds every knob of the method. The vLLM plugin builds it
+from ``additional_config["uniprefill"]``; the operator validates the same
+numbers through :func:`validate_selection_args` so both paths give the same
+errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DEFAULT_TOP_P = 0.99
+DEFAULT_BLOCK_SIZE = 64
+DEFAULT_LAST_Q = 128
+DEFAULT_SINK = 128
+
+
+def validate_selection_args(
+    top_p: float,
+    block_size: int,
+    last_q: int,
+    sink: int,
+    keep_ratio: float | None = None,
+) -> None:
+    """Raise ``ValueError`` naming the first parameter outside its allowed range."""
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, int)
+        or block_size < 1
+        or block_size & (block_size - 1)
+    ):
+        raise ValueError(f"block_size must be a power of two >= 1, got {block_size!r}")
+    for name, value in (("last_q", last_q), ("sink", sink)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    if keep_ratio is not None and (
+        isinstance(keep_ratio, bool)
+        or not isinstance(keep_ratio, (int, float))
+        or not 0.0 < keep_ratio <= 1.0
+    ):
+        raise ValueError(f"keep_ratio must be None or a number in (0, 1], got {keep_ratio!r}")
+
+
+@dataclass(frozen=True)
+class UniPrefillConfig:
+    """Settings of UniPrefill for one model.
+
+    ``drop_layers`` are 0-based decoder-layer indices, each a full-attention
+    layer; ``None`` means the model family's default schedule. ``keep_ratio``
+    replaces top-p by "keep this fraction of blocks" (benchmarking only: it
+    makes speed independent of what random weights attend to).
+    """
+
+    top_p: float = DEFAULT_TOP_P
+    block_size: int = DEFAULT_BLOCK_SIZE
+    last_q: int = DEFAULT_LAST_Q
+    sink: int = DEFAULT_SINK
+    drop_layers: tuple[int, ...] | None = None
+    keep_ratio: float | None = None
+    min_prompt_len: int = 0
+    enabled: bool = True
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        validate_selection_args(self.top_p, self.block_size, self.last_q, self.sink, self.keep_ratio)
+        mpl = self.min_prompt_len
+        if isinstance(mpl, bool) or not isinstance(mpl, int) or mpl < 0:
+            raise ValueError(f"min_prompt_len must be an integer >= 0, got {self.min_prompt_len!r}")
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"enabled must be true or false, got {self.enabled!r}")
+        if self.drop_layers is not None:
+            layers = self.drop_layers
+            if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+                raise ValueError(f"drop_layers must be a list of layer indices, got {layers!r}")
+            if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+                raise ValueError(f"drop_layers must hold integers >= 0, got {list(layers)!r}")
+            if list(layers) != sorted(set(layers)):
+                raise ValueError(
+                    f"drop_layers must be strictly increasing without repeats, got {list(layers)!r}"
+                )
+            object.__setattr__(self, "drop_layers", tuple(layers))
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> UniPrefillConfig:
+        """Build from the ``"uniprefill"`` entry of vLLM's ``additional_config``.
+
+        Unknown keys are an error (a typo must not silently fall back to a default).
+        """
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"additional_config['uniprefill'] must be a mapping, got {raw!r}")
+        known = {f.name for f in fields(cls)} - {"extra"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown uniprefill option(s) {unknown}; allowed: {sorted(known)}"
+            )
+        kwargs = dict(raw)
+        if kwargs.get("drop_layers") is not None and isinstance(kwargs["drop_layers"], list):
+            kwargs["drop_layers"] = tuple(kwargs["drop_layers"])
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        if out["drop_layers"] is not None:
+            out["drop_layers"] = list(out["drop_layers"])
+        return out

