@@ -67,7 +67,9 @@ class UniPrefillConfig:
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        validate_selection_args(self.top_p, self.block_size, self.last_q, self.sink, self.keep_ratio)
+        validate_selection_args(
+            self.top_p, self.block_size, self.last_q, self.sink, self.keep_ratio
+        )
         mpl = self.min_prompt_len
         if isinstance(mpl, bool) or not isinstance(mpl, int) or mpl < 0:
             raise ValueError(f"min_prompt_len must be an integer >= 0, got {self.min_prompt_len!r}")
@@ -98,9 +100,7 @@ class UniPrefillConfig:
         known = {f.name for f in fields(cls)} - {"extra"}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(
-                f"unknown uniprefill option(s) {unknown}; allowed: {sorted(known)}"
-            )
+            raise ValueError(f"unknown uniprefill option(s) {unknown}; allowed: {sorted(known)}")
         kwargs = dict(raw)
         if kwargs.get("drop_layers") is not None and isinstance(kwargs["drop_layers"], list):
             kwargs["drop_layers"] = tuple(kwargs["drop_layers"])

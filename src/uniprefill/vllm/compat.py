@@ -191,22 +191,27 @@ def _install_model_hooks(model: Any, adapter: ModelAdapter, rt: UniPrefillRuntim
     layers = inner.layers
     orig_forward = inner.forward
 
-    def forward(input_ids: Any, positions: torch.Tensor, intermediate_tensors: Any = None,
-                inputs_embeds: Any = None, **kwargs: Any) -> Any:
+    def forward(
+        input_ids: Any,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         step = rt.step
         if step is None:
-            return orig_forward(input_ids, positions, intermediate_tensors, inputs_embeds,
-                                **kwargs)
+            return orig_forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
         if kwargs or intermediate_tensors is not None:
             raise RuntimeError(f"uniprefill: unsupported model inputs {sorted(kwargs)}")
         hidden = inputs_embeds if inputs_embeds is not None else inner.embed_input_ids(input_ids)
         residual = None
         step.positions = positions
         step.num_tokens_padded = positions.shape[0]
-        for layer in layers[inner.start_layer:inner.end_layer]:
+        for layer in layers[inner.start_layer : inner.end_layer]:
             # step.positions shrinks at each drop layer's gather point.
-            hidden, residual = layer(positions=step.positions, hidden_states=hidden,
-                                     residual=residual)
+            hidden, residual = layer(
+                positions=step.positions, hidden_states=hidden, residual=residual
+            )
         hidden, _ = inner.norm(hidden, residual)
         rt.record_step()
         return rt.finish_forward(hidden)
@@ -222,8 +227,15 @@ def _install_model_hooks(model: Any, adapter: ModelAdapter, rt: UniPrefillRuntim
                 return None
             q = args[0] if len(args) > 0 else kwargs["query"]
             k = args[1] if len(args) > 1 else kwargs["key"]
-            rt.on_attention_input(d, q, k, module.num_heads, module.num_kv_heads,
-                                  module.head_size, float(module.impl.scale))
+            rt.on_attention_input(
+                d,
+                q,
+                k,
+                module.num_heads,
+                module.num_kv_heads,
+                module.head_size,
+                float(module.impl.scale),
+            )
             return None
 
         def gather_pre_hook(module: Any, args: tuple, kwargs: dict, d: int = d) -> Any:
@@ -232,8 +244,10 @@ def _install_model_hooks(model: Any, adapter: ModelAdapter, rt: UniPrefillRuntim
             hidden = args[0] if len(args) > 0 else kwargs.pop("hidden_states", None)
             residual = args[1] if len(args) > 1 else kwargs.pop("residual", None)
             if hidden is None or residual is None:
-                raise RuntimeError(f"uniprefill: {adapter.gather_module} of layer {d} got no "
-                                   "(hidden_states, residual)")
+                raise RuntimeError(
+                    f"uniprefill: {adapter.gather_module} of layer {d} got no "
+                    "(hidden_states, residual)"
+                )
             attn_md, slots = _forward_context_maps()
             hidden, residual = rt.on_gather_point(d, hidden, residual, attn_md, slots)
             return (hidden, residual, *args[2:]), kwargs
@@ -259,8 +273,9 @@ def _wrap_builder(builder: Any) -> None:
             _capture[id(meta)] = (builder, cm, kwargs)
         return meta
 
-    def update_block_table(metadata: Any, block_table: torch.Tensor,
-                           slot_mapping: torch.Tensor) -> Any:
+    def update_block_table(
+        metadata: Any, block_table: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> Any:
         meta = orig_update(metadata, block_table, slot_mapping)
         if _capture is not None and id(metadata) in _capture:
             _, cm, extra = _capture[id(metadata)]
@@ -278,8 +293,9 @@ def _wrap_builder(builder: Any) -> None:
     builder._uniprefill_wrapped = True
 
 
-def _rebuild(builder: Any, cm: Any, extra: dict[str, Any], lens: StageLens,
-             slots: torch.Tensor) -> Any:
+def _rebuild(
+    builder: Any, cm: Any, extra: dict[str, Any], lens: StageLens, slots: torch.Tensor
+) -> Any:
     names = {f.name for f in dataclasses.fields(cm)}
     values = {
         "query_start_loc": lens.query_start_loc,
@@ -297,13 +313,12 @@ def _rebuild(builder: Any, cm: Any, extra: dict[str, Any], lens: StageLens,
         "_token_to_req_indices_cache": None,
     }
     new_cm = dataclasses.replace(cm, **{k: v for k, v in values.items() if k in names})
-    return builder._uniprefill_orig_build(
-        common_prefix_len=0, common_attn_metadata=new_cm, **extra
-    )
+    return builder._uniprefill_orig_build(common_prefix_len=0, common_attn_metadata=new_cm, **extra)
 
 
-def _group_builds(runner: Any, attn_metadata: dict[str, Any],
-                  captured: dict[int, tuple[Any, Any, dict[str, Any]]]) -> list[GroupBuild]:
+def _group_builds(
+    runner: Any, attn_metadata: dict[str, Any], captured: dict[int, tuple[Any, Any, dict[str, Any]]]
+) -> list[GroupBuild]:
     from vllm.v1.kv_cache_interface import AttentionSpec
 
     groups = []

@@ -183,9 +183,16 @@ class UniPrefillRuntime:
         self.step = None
 
     # ---- hooks (called by compat) -----------------------------------------------------
-    def on_attention_input(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
-                           num_heads: int, num_kv_heads: int, head_size: int,
-                           scale: float) -> None:
+    def on_attention_input(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        scale: float,
+    ) -> None:
         """Score the current tokens at a drop layer (its attention still sees all of them)."""
         step = self.step
         if step is None or layer_idx not in self.stage_of_drop:
@@ -265,8 +272,9 @@ class UniPrefillRuntime:
         rows = step.droppable
         self.stats.add(stage - 1, int(step.qlen[rows].sum()), int(new_qlen[rows].sum()))
 
-    def _compact(self, step: StepState, sel: Any, stage: int, hidden: torch.Tensor,
-                 residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compact(
+        self, step: StepState, sel: Any, stage: int, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         new_qlen = np.diff(sel.new_cu_seqlens.cpu().numpy()).astype(np.int64)
         self._count(step, stage, new_qlen)
         idx = sel.gather_idx
@@ -306,24 +314,37 @@ class UniPrefillRuntime:
             positions=step.positions,
         )
 
-    def _install_stage_metadata(self, step: StepState, stage: int,
-                                attn_metadata: dict[str, Any],
-                                slot_mapping: dict[str, torch.Tensor]) -> None:
+    def _install_stage_metadata(
+        self,
+        step: StepState,
+        stage: int,
+        attn_metadata: dict[str, Any],
+        slot_mapping: dict[str, torch.Tensor],
+    ) -> None:
         lens = self._stage_lens(step, stage)
         ctx_dev = lens.num_computed_cpu.to(self.device, non_blocking=True)
         first_layer = self.drop_layers[stage - 1] + 1
         for group in step.groups:
-            names = [n for n, i in zip(group.layer_names, group.layer_indices, strict=True)
-                     if i >= first_layer]
+            names = [
+                n
+                for n, i in zip(group.layer_names, group.layer_indices, strict=True)
+                if i >= first_layer
+            ]
             if not names:
                 continue
             if group.block_table is not None:
-                slots = compute_slot_mapping(group.block_table, group.kernel_block_size, ctx_dev,
-                                             lens.query_start_loc, lens.num_tokens,
-                                             lens.num_tokens_padded)
+                slots = compute_slot_mapping(
+                    group.block_table,
+                    group.kernel_block_size,
+                    ctx_dev,
+                    lens.query_start_loc,
+                    lens.num_tokens,
+                    lens.num_tokens_padded,
+                )
             else:
-                slots = torch.full((lens.num_tokens_padded,), -1, dtype=torch.int64,
-                                   device=self.device)
+                slots = torch.full(
+                    (lens.num_tokens_padded,), -1, dtype=torch.int64, device=self.device
+                )
             meta = group.rebuild(lens, slots)
             for name in names:
                 attn_metadata[name] = meta

@@ -22,4 +22,7 @@ def kept_ratios(stats: dict[str, Any] | None) -> list[float | None]:
     """Kept share of tokens at each drop layer (``None`` where nothing was scored)."""
     if not stats:
         return []
-    return [k / s if s else None for k, s in zip(stats["kept_tokens"], stats["seen_tokens"], strict=True)]
+    return [
+        k / s if s else None
+        for k, s in zip(stats["kept_tokens"], stats["seen_tokens"], strict=True)
+    ]
