@@ -99,8 +99,10 @@ def test_half_inputs_match_reference(dtype: torch.dtype) -> None:
         dict(top_p=0.9, block_size=16, last_q=16, sink=0, keep_ratio=0.3),
         dict(top_p=0.7, block_size=4, last_q=8, sink=8,
              allow_drop=[True, False, True, True]),
+        dict(top_p=0.8, block_size=256, last_q=8, sink=4),  # block > key tile: torch path
+        dict(top_p=0.6, block_size=1, last_q=4, sink=2),
     ],
-    ids=["top_p", "keep_ratio", "allow_drop"],
+    ids=["top_p", "keep_ratio", "allow_drop", "block256", "block1"],
 )
 def test_selection_matches_reference(kw: dict) -> None:
     from uniprefill.ops import select_tokens

@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from uniprefill.ops.reference import token_to_block_scores
+from uniprefill.ops.reference import block_offsets, num_block_slots, token_to_block_scores
 
 # Finite "minus infinity": keeps exp2(NEG - NEG) well defined for rows with no key.
-NEG = -1.0e30
+NEG = tl.constexpr(-1.0e30)
 LOG2E = 1.4426950408889634
 
 
@@ -138,13 +138,18 @@ def _combine_kernel(
 
 @triton.jit
 def _score_kernel(
-    q_ptr, k_ptr, cu_ptr, tile_req_ptr, tile_idx_ptr, mstat_ptr, istat_ptr, tok_ptr,
-    num_req, hq, num_tokens, qk_scale,
+    q_ptr, k_ptr, cu_ptr, tile_req_ptr, tile_idx_ptr, mstat_ptr, istat_ptr, out_ptr, boff_ptr,
+    num_req, hq, out_stride, qk_scale,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     LAST_Q: tl.constexpr, LQ_PAD: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_D: tl.constexpr, DOT_PREC: tl.constexpr, SEG: tl.constexpr,
 ):
+    """Per (tile, kv head): probability mass per key, summed into SEG-token segments.
+
+    SEG == block_size (when it divides BLOCK_N): writes block partials straight
+    into the flat block layout at ``boff[b]``; SEG == 1: writes token partials.
+    """
     tile = tl.program_id(0)
     g = tl.program_id(1)
     b = tl.load(tile_req_ptr + tile)
@@ -168,9 +173,19 @@ def _score_kernel(
             inv = tl.load(istat_ptr + base + offs_m)
             p = tl.where(valid, tl.exp2(s - mx[:, None]) * inv[:, None], 0.0)
             acc += tl.sum(p, 0)
-    offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    dst = tok_ptr + g.to(tl.int64) * num_tokens + start + offs_n
-    tl.store(dst, acc, mask=offs_n < n)
+    # Tiles start at multiples of BLOCK_N from the request start, so SEG-segments
+    # of a tile are whole blocks (the request's last one may be short).
+    seg = tl.sum(tl.reshape(acc, [BLOCK_N // SEG, SEG]), 1)
+    offs_s = j * (BLOCK_N // SEG) + tl.arange(0, BLOCK_N // SEG)
+    if SEG == 1:
+        dst = out_ptr + g.to(tl.int64) * out_stride + start + offs_s
+    else:
+        dst = out_ptr + g.to(tl.int64) * out_stride + tl.load(boff_ptr + b) + offs_s
+    tl.store(dst, seg, mask=offs_s * SEG < n)
+
+
+# Benchmark hook: {"BLOCK_M": .., "BLOCK_N": .., "num_warps": ..} overrides the defaults.
+CONFIG_OVERRIDE: dict[str, int] = {}
 
 
 def _config(head_dim: int, last_q: int) -> tuple[int, int, int, int]:
@@ -178,7 +193,9 @@ def _config(head_dim: int, last_q: int) -> tuple[int, int, int, int]:
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_m = min(64, max(16, triton.next_power_of_2(last_q)))
     block_n = 64 if block_d > 128 else 128
-    return block_m, block_n, block_d, 4
+    block_m = CONFIG_OVERRIDE.get("BLOCK_M", block_m)
+    block_n = CONFIG_OVERRIDE.get("BLOCK_N", block_n)
+    return block_m, block_n, block_d, CONFIG_OVERRIDE.get("num_warps", 4)
 
 
 def _tile_map(
@@ -195,7 +212,7 @@ def _tile_map(
     return tile_cu.int(), tile_req.int(), tile_idx.int()
 
 
-def token_scores_triton(
+def _launch(
     q: torch.Tensor,
     k: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -203,19 +220,22 @@ def token_scores_triton(
     last_q: int,
     scale: float,
     scored: torch.Tensor,
+    seg: int,
 ) -> torch.Tensor:
-    """fp32 [T] token scores (same definition as the reference); no host syncs."""
+    """Run the three kernels; fp32 [Hkv, slots] partials (tokens if seg == 1, else blocks)."""
     num_tokens, hq, head_dim = q.shape
     hkv = k.shape[1]
     num_req = cu_seqlens.numel() - 1
-    tok_part = torch.zeros(hkv, num_tokens, dtype=torch.float32, device=q.device)
+    slots = num_tokens if seg == 1 else num_block_slots(num_tokens, num_req, seg)
+    out = torch.zeros(hkv, slots, dtype=torch.float32, device=q.device)
     if num_tokens == 0 or num_req == 0 or last_q == 0:
-        return tok_part.sum(0)
+        return out
     block_m, block_n, block_d, warps = _config(head_dim, last_q)
     lq_pad = triton.cdiv(last_q, block_m) * block_m
     max_tiles = triton.cdiv(num_tokens, block_n) + num_req
     cu = cu_seqlens.long()
     tile_cu, tile_req, tile_idx = _tile_map(cu, scored, block_n, max_tiles)
+    boff = block_offsets(cu, seg) if seg > 1 else tile_cu  # tile_cu: unused placeholder
     cu32 = cu_seqlens.int()
     mpart = torch.empty(max_tiles, hq, lq_pad, dtype=torch.float32, device=q.device)
     lpart = torch.empty_like(mpart)
@@ -236,10 +256,24 @@ def token_scores_triton(
         mpart, lpart, tile_cu, mstat, istat, hq, LQ_PAD=lq_pad, TILES=16, num_warps=4
     )
     _score_kernel[grid](
-        q, k, cu32, tile_req, tile_idx, mstat, istat, tok_part, num_req, hq, num_tokens,
-        qk_scale, *strides, **common,
+        q, k, cu32, tile_req, tile_idx, mstat, istat, out, boff, num_req, hq, slots,
+        qk_scale, *strides, SEG=seg, **common,
     )
-    return tok_part.sum(0)
+    return out
+
+
+def token_scores_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    last_q: int,
+    scale: float,
+    scored: torch.Tensor,
+) -> torch.Tensor:
+    """fp32 [T] token scores (same definition as the reference); no host syncs."""
+    parts = _launch(q, k, cu_seqlens, last_q=last_q, scale=scale, scored=scored, seg=1)
+    return parts.sum(0)
 
 
 def block_scores_triton(
@@ -252,6 +286,15 @@ def block_scores_triton(
     scale: float,
     scored: torch.Tensor,
 ) -> torch.Tensor:
-    """Flat fp32 block scores (layout of :mod:`uniprefill.ops.reference`)."""
+    """Flat fp32 block scores (layout of :mod:`uniprefill.ops.reference`); no host syncs.
+
+    Blocks are reduced inside the score kernel when ``block_size`` divides the
+    key tile, else from token scores with the shared torch reduction.
+    """
+    _, block_n, _, _ = _config(q.shape[-1], last_q)
+    if 1 < block_size <= block_n:
+        parts = _launch(q, k, cu_seqlens, last_q=last_q, scale=scale, scored=scored,
+                        seg=block_size)
+        return parts.sum(0)
     tok = token_scores_triton(q, k, cu_seqlens, last_q=last_q, scale=scale, scored=scored)
     return token_to_block_scores(tok, cu_seqlens, block_size)
