@@ -164,8 +164,7 @@ def build_model_dir(name: str, root: Path, max_pos: int, dtype: str) -> Path:
     out = root / name
     out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(name, max_pos)
-    cfg.dtype = dtype  # transformers 5 name; torch_dtype for older readers
-    cfg.torch_dtype = dtype
+    cfg.dtype = dtype
     cfg.save_pretrained(str(out))
     if not (out / "tokenizer.json").exists():
         build_tiny_tokenizer(out)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Device call 5 (carry=[".carry/p4", ".carry/vllm.sha256"]): last part, join, check, unpack.
+# vLLM goes to /tmp/site with pip --target (no deps: those come in call 6).
+set -euo pipefail
+cp .carry/p4/* /root/parts/
+whl=/root/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
+cat /root/parts/part? > "$whl"
+rm -f /root/parts/part?
+echo "$(cat .carry/vllm.sha256)  $whl" | sha256sum -c -
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl"
+rm -f "$whl"
+du -sh /tmp/site
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
