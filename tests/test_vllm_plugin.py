@@ -37,7 +37,7 @@ def _prompts(lens: tuple[int, ...] = PROMPT_LENS, seed: int = 0) -> list[dict[st
     return [{"prompt_token_ids": [rng.randrange(5, 900) for _ in range(n)]} for n in lens]
 
 
-def _llm(path: Path, arch: str, uniprefill: dict[str, Any] | None) -> Any:
+def _llm(path: Path, arch: str, uniprefill: dict[str, Any] | None, **extra: Any) -> Any:
     kwargs: dict[str, Any] = dict(
         enforce_eager=True,
         max_model_len=2048,
@@ -45,6 +45,7 @@ def _llm(path: Path, arch: str, uniprefill: dict[str, Any] | None) -> Any:
         enable_prefix_caching=False,
         seed=0,
         **vllm_kwargs(arch),
+        **extra,
     )
     if uniprefill is not None:
         kwargs["additional_config"] = {"uniprefill": uniprefill}
@@ -148,32 +149,54 @@ def test_abort_frees_lengths(dropping_llm: tuple[str, Any]):
     assert collect(llm)["records"] == 0
 
 
-def test_llama_matches_hf_reference(tiny_llama: Path):
+HF_CFG = {"drop_layers": [1, 3], "keep_ratio": 0.3, **SMALL}
+
+
+def _hf_expected(path: Path, prompts: list[dict[str, Any]]) -> tuple[list[list[int]], list[int]]:
+    """Tokens and kept-token totals of the Hugging Face implementation of UniPrefill."""
     import torch
     from hf_reference import greedy_with_drops
     from transformers import AutoModelForCausalLM
 
-    cfg = {"drop_layers": [1, 3], "keep_ratio": 0.3, **SMALL}
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    sel = {k: HF_CFG[k] for k in ("keep_ratio", "block_size", "last_q", "sink")}
+    tokens, kept_total = [], [0] * len(HF_CFG["drop_layers"])
+    for p in prompts:
+        ids = p["prompt_token_ids"]
+        want, kept = greedy_with_drops(model, ids, MAX_TOKENS, HF_CFG["drop_layers"], **sel)
+        tokens.append(want)
+        if len(ids) > SMALL["sink"] + SMALL["last_q"]:  # short prompts are never scored
+            kept_total = [a + b for a, b in zip(kept_total, kept, strict=True)]
+    return tokens, kept_total
+
+
+def test_llama_matches_hf_reference(tiny_llama: Path):
     prompts = _prompts((300, 20, 520), seed=2)
-    llm = _llm(tiny_llama, "llama", cfg)
+    llm = _llm(tiny_llama, "llama", HF_CFG)
     try:
         got = _tokens(llm.generate(prompts, _greedy()))
         stats = collect(llm)
     finally:
         _close(llm)
+    want, kept = _hf_expected(tiny_llama, prompts)
+    assert got == want
+    assert stats["kept_tokens"] == kept
 
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
-    expected_kept = [0, 0]
-    for p, tokens in zip(prompts, got, strict=True):
-        ids = p["prompt_token_ids"]
-        sel = {k: cfg[k] for k in ("keep_ratio", "block_size", "last_q", "sink")}
-        want, kept = greedy_with_drops(model, ids, MAX_TOKENS, cfg["drop_layers"], **sel)
-        if len(ids) <= SMALL["sink"] + SMALL["last_q"]:
-            kept = [len(ids)] * 2
-        else:
-            expected_kept = [a + b for a, b in zip(expected_kept, kept, strict=True)]
-        assert tokens == want, f"prompt of {len(ids)} tokens"
-    assert stats["kept_tokens"] == expected_kept
+
+def test_tensor_parallel_ranks_agree_and_match_reference(tiny_llama: Path, monkeypatch):
+    """Two CPU ranks, each scoring half the heads: same choice on both, same tokens."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    prompts = _prompts((300, 20, 520), seed=2)
+    llm = _llm(tiny_llama, "llama", HF_CFG, tensor_parallel_size=2)
+    try:
+        got = _tokens(llm.generate(prompts, _greedy()))
+        per_rank = llm.collective_rpc("uniprefill_stats")
+    finally:
+        _close(llm)
+    assert len(per_rank) == 2 and per_rank[0] == per_rank[1]
+    want, kept = _hf_expected(tiny_llama, prompts)
+    assert got == want
+    assert per_rank[0]["kept_tokens"] == kept
 
 
 # ---- start-up errors ---------------------------------------------------------------------
