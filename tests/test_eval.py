@@ -147,3 +147,11 @@ def test_run_eval_end_to_end(tiny_llama: Path, tmp_path: Path) -> None:
             r["dense_output"] for r in result["samples"]
         ]
     json.dumps(result)  # JSON-serialisable as written by --json
+
+
+def test_too_long_for_the_model_is_refused_before_vllm(tiny_llama: Path) -> None:
+    from uniprefill.eval.runner import run_eval
+
+    # The tiny model has 4096 positions: a 4096-token prompt leaves no room for output.
+    with pytest.raises(ValueError, match="needs .* positions but the model has 4096"):
+        run_eval(str(tiny_llama), tasks=["niah_single"], lengths=[4096], samples_per_task=1)

@@ -195,6 +195,14 @@ def _shutdown(llm: Any) -> None:
         pass
 
 
+def _max_positions(path: Path) -> int | None:
+    import json
+
+    cfg = json.loads((path / "config.json").read_text())
+    cfg = cfg.get("text_config") or cfg
+    return cfg.get("max_position_embeddings")
+
+
 def _accuracy(samples: Sequence[Sample], scores: Sequence[float]) -> dict[str, dict[str, float]]:
     acc: dict[str, dict[str, list[float]]] = {}
     for s, sc in zip(samples, scores, strict=False):
@@ -233,7 +241,14 @@ def run_eval(
     samples = generate_suite(tasks, lengths, samples_per_task, token_counter(tok), seed)
     budgets = [max_new_tokens or DEFAULT_MAX_NEW_TOKENS[s.task] for s in samples]
     kw = {**arch_kwargs, **(llm_kwargs or {})}
-    kw.setdefault("max_model_len", max(s.n_tokens for s in samples) + max(budgets) + 16)
+    need = max(s.n_tokens + b for s, b in zip(samples, budgets, strict=True))
+    limit = _max_positions(path)
+    if limit is not None and need > limit:
+        raise ValueError(
+            f"the longest prompt plus its output budget needs {need} positions but the model "
+            f"has {limit}; use a length of at most {limit - max(budgets)} or fewer new tokens"
+        )
+    kw.setdefault("max_model_len", need if limit is None else min(need + 16, limit))
     prompts = [s.prompt for s in samples]
 
     import vllm
