@@ -68,10 +68,10 @@ def test_token_scores_match_reference(case: int) -> None:
 
     lens, hq, hkv, d, lq = CASES[case]
     q, k, cu = make_batch(lens, hq, hkv, d, seed=case)
-    scored = droppable_rows(cu, lq, 4, None)
-    kw = dict(last_q=lq, scale=1.0 / math.sqrt(d), scored=scored)
-    got = token_scores_triton(q, k, cu, **kw)
-    ref = token_scores_reference(q, k, cu, **kw)
+    scale = 1.0 / math.sqrt(d)
+    got = token_scores_triton(q, k, cu, last_q=lq, scale=scale, sink=4)
+    ref = token_scores_reference(q, k, cu, last_q=lq, scale=scale,
+                                 scored=droppable_rows(cu, lq, 4, None))
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
@@ -84,10 +84,9 @@ def test_half_inputs_match_reference(dtype: torch.dtype) -> None:
     if INTERPRET and dtype == torch.bfloat16:
         pytest.skip("Triton's CPU interpreter gets bf16 tl.dot wrong (seen with triton 3.9)")
     q, k, cu = make_batch([200, 1, 60], 4, 2, 64, seed=3, dtype=dtype)
-    scored = droppable_rows(cu, 16, 4, None)
-    kw = dict(last_q=16, scale=0.125, scored=scored)
-    got = token_scores_triton(q, k, cu, **kw)
-    ref = token_scores_reference(q, k, cu, **kw)
+    got = token_scores_triton(q, k, cu, last_q=16, scale=0.125, sink=4)
+    ref = token_scores_reference(q, k, cu, last_q=16, scale=0.125,
+                                 scored=droppable_rows(cu, 16, 4, None))
     torch.testing.assert_close(got, ref, rtol=2e-3, atol=1e-4)
 
 
@@ -139,3 +138,38 @@ def test_strided_inputs() -> None:
     ref = select_tokens(q.contiguous(), k.contiguous(), cu, impl="reference", **kw)
     torch.testing.assert_close(got.block_scores, ref.block_scores, rtol=1e-4, atol=1e-5)
     assert torch.equal(got.keep, ref.keep)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["top_p", "keep_ratio", "ties"])
+def test_kernel_selection_equals_torch_selection(mode: str, monkeypatch) -> None:
+    """Same block scores in, same mask out: the Triton selection kernels vs the torch spec."""
+    from uniprefill.ops import select_from_block_scores
+    from uniprefill.ops import triton_select as ts
+
+    lens = [300, 1, 90, 170, 0, 64]
+    q, k, cu = make_batch(lens, 2, 2, 16, seed=4)
+    bs, lq, sink = 8, 4, 4
+    nslots = sum(lens) // bs + len(lens)
+    g = torch.Generator().manual_seed(9)
+    scores = torch.rand(nslots, generator=g) ** 4  # skewed, so top-p drops
+    if mode == "ties":
+        scores = torch.floor(scores * 4) / 4 + 0.25  # many exact ties
+    scores = scores.to(DEVICE)
+    ratio = 0.3 if mode == "keep_ratio" else None
+    allow = torch.tensor([True, True, True, False, True, True], device=DEVICE)
+
+    def fake_score(q, k, lay, *, last_q, scale, seg):  # inject the scores
+        return scores[None].clone()
+
+    monkeypatch.setattr(ts, "_score", fake_score)
+    for top_p in (0.3, 0.9):
+        kw = dict(top_p=top_p, block_size=bs, last_q=lq, sink=sink, allow_drop=allow,
+                  keep_ratio=ratio)
+        got = ts.select_tokens_triton(q, k, cu, scale=1.0, score_allreduce=None, **kw)
+        ref = select_from_block_scores(scores, cu, num_tokens=q.shape[0], **kw)
+        assert torch.equal(got.keep, ref.keep)
+        assert torch.equal(got.gather_idx, ref.gather_idx) and got.num_kept == ref.num_kept
+        assert torch.equal(got.new_cu_seqlens, ref.new_cu_seqlens)
+        assert torch.equal(got.new_lens, ref.new_lens)
+        assert got.num_kept < q.shape[0]

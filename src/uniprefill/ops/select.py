@@ -178,17 +178,21 @@ def select_tokens(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
 
-    scored = droppable_rows(cu_seqlens, last_q, sink, allow_drop)
-    if impl == "reference":
-        scores, _ = block_scores_reference(
-            q, k, cu_seqlens, block_size=block_size, last_q=last_q, scale=scale, scored=scored
-        )
-    else:
-        from uniprefill.ops.triton_select import block_scores_triton
+    num_req = cu_seqlens.numel() - 1
+    if num_tokens == 0 or num_req == 0:
+        return keep_all(cu_seqlens, num_tokens)
+    if impl == "triton":
+        from uniprefill.ops.triton_select import select_tokens_triton
 
-        scores = block_scores_triton(
-            q, k, cu_seqlens, block_size=block_size, last_q=last_q, scale=scale, scored=scored
+        return select_tokens_triton(
+            q, k, cu_seqlens, top_p=top_p, block_size=block_size, last_q=last_q, sink=sink,
+            allow_drop=allow_drop, keep_ratio=keep_ratio, scale=scale,
+            score_allreduce=score_allreduce,
         )
+    scored = droppable_rows(cu_seqlens, last_q, sink, allow_drop)
+    scores, _ = block_scores_reference(
+        q, k, cu_seqlens, block_size=block_size, last_q=last_q, scale=scale, scored=scored
+    )
     if score_allreduce is not None:
         score_allreduce(scores)
     return select_from_block_scores(

@@ -15,8 +15,15 @@ Computes the same fp32 token scores as
   partials in tile order into the softmax max / normaliser (online softmax);
 * pass 2 (``_score_kernel``): recompute ``QK^T`` per tile, normalise with the
   combined stats, sum the probabilities over queries and the q heads of the kv
-  group, write per (kv head, token) partials; a torch sum over kv heads and the
-  shared block reduction finish.
+  group and over the tile's blocks, write per (kv head, block) partials; a
+  torch sum over kv heads gives the fp32 block scores (all-reduced here under
+  tensor parallelism);
+* selection (``_select_kernel``, ``_token_kernel``, ``_gather_kernel``): the
+  same rule as :func:`uniprefill.ops.reference.select_from_block_scores`, with
+  the mass ranked above each block computed by pairwise comparison within its
+  request (O(blocks^2) per request, tiny next to scoring) instead of a
+  segmented sort, and few launches (the host launch cost dominates at small
+  sizes).  ``_layout_kernel`` computes the per-request offsets up front.
 
 Every reduction has a fixed order (no atomics), so repeated runs and
 tensor-parallel ranks give bit-identical scores.  The K tile of a kv head is
@@ -27,11 +34,14 @@ last_q) stats and O(Hkv * T) token partials, i.e. ``1/BLOCK_N`` and
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
-from uniprefill.ops.reference import block_offsets, num_block_slots, token_to_block_scores
+from uniprefill.ops.reference import Selection, num_block_slots, token_to_block_scores
 
 # Finite "minus infinity": keeps exp2(NEG - NEG) well defined for rows with no key.
 NEG = tl.constexpr(-1.0e30)
@@ -77,8 +87,22 @@ def _load_k_tile(
 
 
 @triton.jit
+def _find_request(tile_cu_ptr, tile, num_req):
+    """Request owning ``tile`` (``num_req`` if past the end): binary search of tile_cu."""
+    lo = tile * 0
+    hi = lo + num_req
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(tile_cu_ptr + mid + 1) <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
 def _stats_kernel(
-    q_ptr, k_ptr, cu_ptr, tile_req_ptr, tile_idx_ptr, mpart_ptr, lpart_ptr,
+    q_ptr, k_ptr, cu_ptr, tile_cu_ptr, mpart_ptr, lpart_ptr,
     num_req, hq, qk_scale,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     LAST_Q: tl.constexpr, LQ_PAD: tl.constexpr, GROUP: tl.constexpr,
@@ -87,10 +111,10 @@ def _stats_kernel(
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
-    b = tl.load(tile_req_ptr + tile)
+    b = _find_request(tile_cu_ptr, tile, num_req)
     if b >= num_req:
         return
-    j = tl.load(tile_idx_ptr + tile)
+    j = tile - tl.load(tile_cu_ptr + b)
     start = tl.load(cu_ptr + b).to(tl.int64)
     n = (tl.load(cu_ptr + b + 1) - start).to(tl.int32)
     m = tl.minimum(n, LAST_Q)
@@ -138,7 +162,7 @@ def _combine_kernel(
 
 @triton.jit
 def _score_kernel(
-    q_ptr, k_ptr, cu_ptr, tile_req_ptr, tile_idx_ptr, mstat_ptr, istat_ptr, out_ptr, boff_ptr,
+    q_ptr, k_ptr, cu_ptr, tile_cu_ptr, mstat_ptr, istat_ptr, out_ptr, boff_ptr,
     num_req, hq, out_stride, qk_scale,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     LAST_Q: tl.constexpr, LQ_PAD: tl.constexpr, GROUP: tl.constexpr,
@@ -152,10 +176,10 @@ def _score_kernel(
     """
     tile = tl.program_id(0)
     g = tl.program_id(1)
-    b = tl.load(tile_req_ptr + tile)
+    b = _find_request(tile_cu_ptr, tile, num_req)
     if b >= num_req:
         return
-    j = tl.load(tile_idx_ptr + tile)
+    j = tile - tl.load(tile_cu_ptr + b)
     start = tl.load(cu_ptr + b).to(tl.int64)
     n = (tl.load(cu_ptr + b + 1) - start).to(tl.int32)
     m = tl.minimum(n, LAST_Q)
@@ -184,6 +208,124 @@ def _score_kernel(
     tl.store(dst, seg, mask=offs_s * SEG < n)
 
 
+@triton.jit
+def _layout_kernel(
+    cu_ptr, allow_ptr, lay_ptr, num_req, min_len,
+    HAS_ALLOW: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, CH: tl.constexpr,
+):
+    """One program: int32 rows of ``lay`` (each num_req+1 long):
+    0 cu_seqlens, 1 key-tile offsets (droppable rows only), 2 block offsets, 3 droppable."""
+    stride = num_req + 1
+    zero = tl.program_id(0) * 0
+    carry_t = zero
+    carry_b = zero
+    tl.store(lay_ptr, tl.load(cu_ptr).to(tl.int32))
+    tl.store(lay_ptr + stride, zero)
+    tl.store(lay_ptr + 2 * stride, zero)
+    for c in range(0, num_req, CH):
+        r = c + tl.arange(0, CH)
+        mask = r < num_req
+        s = tl.load(cu_ptr + r, mask=mask, other=0).to(tl.int32)
+        e = tl.load(cu_ptr + r + 1, mask=mask, other=0).to(tl.int32)
+        n = e - s
+        drop = (n > min_len) & mask
+        if HAS_ALLOW:
+            drop = drop & (tl.load(allow_ptr + r, mask=mask, other=0) != 0)
+        nt = tl.where(drop, (n + BLOCK_N - 1) // BLOCK_N, 0)
+        nb = tl.where(mask, (n + G - 1) // G, 0)
+        tl.store(lay_ptr + r + 1, e, mask=mask)
+        tl.store(lay_ptr + stride + r + 1, carry_t + tl.cumsum(nt, 0), mask=mask)
+        tl.store(lay_ptr + 2 * stride + r + 1, carry_b + tl.cumsum(nb, 0), mask=mask)
+        tl.store(lay_ptr + 3 * stride + r, drop.to(tl.int32), mask=mask)
+        carry_t += tl.sum(nt, 0)
+        carry_b += tl.sum(nb, 0)
+
+
+@triton.jit
+def _select_kernel(
+    score_ptr, boff_ptr, drop_ptr, bkeep_ptr, top_p_bits, ratio_bits,
+    USE_RATIO: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr,
+):
+    """Per (request, chunk of its blocks): keep flag of each block.
+
+    Blocks ranked above block i (higher score, or equal score and lower index)
+    are found by comparing against every block of the request; their fp64 mass
+    (or count, for keep_ratio) decides, exactly as the sorted cumulative sum.
+    """
+    c = tl.program_id(0)
+    b = tl.program_id(1)
+    b0 = tl.load(boff_ptr + b)
+    nb = tl.load(boff_ptr + b + 1) - b0
+    if (c * BI >= nb) | (tl.load(drop_ptr + b) == 0):
+        return  # non-droppable rows are kept whole by _token_kernel
+    li = c * BI + tl.arange(0, BI)
+    imask = li < nb
+    si = tl.load(score_ptr + b0 + li, mask=imask, other=0.0)
+    before = tl.zeros([BI], tl.float64)
+    rank = tl.zeros([BI], tl.int32)
+    total = tl.zeros([BJ], tl.float64)
+    for j0 in range(0, nb, BJ):
+        lj = j0 + tl.arange(0, BJ)
+        jmask = lj < nb
+        sj = tl.load(score_ptr + b0 + lj, mask=jmask, other=0.0)
+        higher = (sj[None, :] > si[:, None]) | (
+            (sj[None, :] == si[:, None]) & (lj[None, :] < li[:, None])
+        )
+        higher = higher & jmask[None, :]
+        before += tl.sum(tl.where(higher, sj[None, :].to(tl.float64), 0.0), 1)
+        rank += tl.sum(higher.to(tl.int32), 1)
+        total += sj.to(tl.float64)
+    if USE_RATIO:
+        # rank < ceil(nb * ratio)  <=>  rank < nb * ratio, for an integer rank
+        ratio = ratio_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        keep = rank.to(tl.float64) < nb.to(tl.float64) * ratio
+    else:
+        tot = tl.sum(total, 0)
+        frac = tl.where(tot > 0, before / tot, 0.0)
+        keep = frac <= top_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    tl.store(bkeep_ptr + b0 + li, keep.to(tl.int8), mask=imask)
+
+
+@triton.jit
+def _token_kernel(
+    lay_ptr, bkeep_ptr, keep_ptr, num_tokens, num_req, sink, last_q,
+    G: tl.constexpr, BT: tl.constexpr, LOG_B: tl.constexpr,
+):
+    """Token keep mask: kept block, sink, last queries, or non-droppable row."""
+    stride = num_req + 1
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = t < num_tokens
+    # request of each token: number of request ends <= t (vector binary search)
+    lo = tl.zeros([BT], tl.int32)
+    hi = lo + num_req
+    for _ in tl.static_range(LOG_B):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(lay_ptr + mid + 1, mask=active, other=0)
+        right = active & (v <= t)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & (v > t), mid, hi)
+    r = tl.minimum(lo, num_req - 1)
+    s = tl.load(lay_ptr + r, mask=tmask, other=0)
+    n = tl.load(lay_ptr + r + 1, mask=tmask, other=0) - s
+    drop = tl.load(lay_ptr + 3 * stride + r, mask=tmask, other=0) != 0
+    pos = t - s
+    blk = tl.load(lay_ptr + 2 * stride + r, mask=tmask, other=0) + pos // G
+    bk = tl.load(bkeep_ptr + blk, mask=tmask & drop, other=1) != 0
+    keep = bk | (pos < sink) | (pos >= n - last_q) | (~drop)
+    tl.store(keep_ptr + t, keep, mask=tmask)
+
+
+@triton.jit
+def _gather_kernel(keep_ptr, csum_ptr, out_ptr, num_tokens, BT: tl.constexpr):
+    """Kept token t goes to slot csum[t] - 1 (csum: inclusive prefix count)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = t < num_tokens
+    k = tl.load(keep_ptr + t, mask=tmask, other=0) != 0
+    dst = tl.load(csum_ptr + t + 1, mask=tmask, other=1) - 1
+    tl.store(out_ptr + dst, t.to(tl.int64), mask=tmask & k)
+
+
 # Benchmark hook: {"BLOCK_M": .., "BLOCK_N": .., "num_warps": ..} overrides the defaults.
 CONFIG_OVERRIDE: dict[str, int] = {}
 
@@ -191,41 +333,52 @@ CONFIG_OVERRIDE: dict[str, int] = {}
 def _config(head_dim: int, last_q: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps); tl.dot needs every dim >= 16."""
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m = min(64, max(16, triton.next_power_of_2(last_q)))
+    block_m = min(128 if block_d <= 128 else 64, max(16, triton.next_power_of_2(last_q)))
     block_n = 64 if block_d > 128 else 128
     block_m = CONFIG_OVERRIDE.get("BLOCK_M", block_m)
     block_n = CONFIG_OVERRIDE.get("BLOCK_N", block_n)
-    return block_m, block_n, block_d, CONFIG_OVERRIDE.get("num_warps", 4)
+    warps = 8 if block_m * block_n >= 128 * 128 else 4
+    return block_m, block_n, block_d, CONFIG_OVERRIDE.get("num_warps", warps)
 
 
-def _tile_map(
-    cu: torch.Tensor, scored: torch.Tensor, block_n: int, max_tiles: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Device-side tile -> (request, tile-in-request); unscored requests get no tiles."""
-    lens = cu[1:] - cu[:-1]
-    ntiles = torch.where(scored, (lens + block_n - 1) // block_n, torch.zeros_like(lens))
-    tile_cu = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=cu.device)
-    torch.cumsum(ntiles, 0, out=tile_cu[1:])
-    ids = torch.arange(max_tiles, device=cu.device)
-    tile_req = torch.searchsorted(tile_cu[1:].contiguous(), ids, right=True)
-    tile_idx = ids - tile_cu[tile_req.clamp_max(lens.numel() - 1)]
-    return tile_cu.int(), tile_req.int(), tile_idx.int()
+def _f64_bits(x: float) -> int:
+    """A Python float as int64 bits: Triton passes float scalars as fp32 only.
+
+    (x must be nonzero: 0 would be passed as an int32.)"""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _launch(
+def _layout(
+    cu_seqlens: torch.Tensor,
+    allow_drop: torch.Tensor | None,
+    *,
+    min_len: int,
+    block_n: int,
+    block_size: int,
+) -> torch.Tensor:
+    num_req = cu_seqlens.numel() - 1
+    lay = torch.empty(4, num_req + 1, dtype=torch.int32, device=cu_seqlens.device)
+    has_allow = allow_drop is not None
+    _layout_kernel[(1,)](
+        cu_seqlens, allow_drop if has_allow else cu_seqlens, lay, num_req, min_len,
+        HAS_ALLOW=has_allow, BLOCK_N=block_n, G=block_size, CH=1024, num_warps=4,
+    )
+    return lay
+
+
+def _score(
     q: torch.Tensor,
     k: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    lay: torch.Tensor,
     *,
     last_q: int,
     scale: float,
-    scored: torch.Tensor,
     seg: int,
 ) -> torch.Tensor:
-    """Run the three kernels; fp32 [Hkv, slots] partials (tokens if seg == 1, else blocks)."""
+    """Run the scoring kernels: fp32 [Hkv, slots] partials (tokens if seg == 1, else blocks)."""
     num_tokens, hq, head_dim = q.shape
     hkv = k.shape[1]
-    num_req = cu_seqlens.numel() - 1
+    num_req = lay.shape[1] - 1
     slots = num_tokens if seg == 1 else num_block_slots(num_tokens, num_req, seg)
     out = torch.zeros(hkv, slots, dtype=torch.float32, device=q.device)
     if num_tokens == 0 or num_req == 0 or last_q == 0:
@@ -233,14 +386,9 @@ def _launch(
     block_m, block_n, block_d, warps = _config(head_dim, last_q)
     lq_pad = triton.cdiv(last_q, block_m) * block_m
     max_tiles = triton.cdiv(num_tokens, block_n) + num_req
-    cu = cu_seqlens.long()
-    tile_cu, tile_req, tile_idx = _tile_map(cu, scored, block_n, max_tiles)
-    boff = block_offsets(cu, seg) if seg > 1 else tile_cu  # tile_cu: unused placeholder
-    cu32 = cu_seqlens.int()
-    mpart = torch.empty(max_tiles, hq, lq_pad, dtype=torch.float32, device=q.device)
-    lpart = torch.empty_like(mpart)
-    mstat = torch.empty(num_req, hq, lq_pad, dtype=torch.float32, device=q.device)
-    istat = torch.empty_like(mstat)
+    cu32, tile_cu, boff = lay[0], lay[1], lay[2]
+    part = torch.empty(2, max_tiles, hq, lq_pad, dtype=torch.float32, device=q.device)
+    stat = torch.empty(2, num_req, hq, lq_pad, dtype=torch.float32, device=q.device)
     common = dict(
         LAST_Q=last_q, LQ_PAD=lq_pad, GROUP=hq // hkv, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, HEAD_D=head_dim,
@@ -250,13 +398,13 @@ def _launch(
     qk_scale = scale * LOG2E
     grid = (max_tiles, hkv)
     _stats_kernel[grid](
-        q, k, cu32, tile_req, tile_idx, mpart, lpart, num_req, hq, qk_scale, *strides, **common
+        q, k, cu32, tile_cu, part[0], part[1], num_req, hq, qk_scale, *strides, **common
     )
     _combine_kernel[(num_req, hq)](
-        mpart, lpart, tile_cu, mstat, istat, hq, LQ_PAD=lq_pad, TILES=16, num_warps=4
+        part[0], part[1], tile_cu, stat[0], stat[1], hq, LQ_PAD=lq_pad, TILES=16, num_warps=4
     )
     _score_kernel[grid](
-        q, k, cu32, tile_req, tile_idx, mstat, istat, out, boff, num_req, hq, slots,
+        q, k, cu32, tile_cu, stat[0], stat[1], out, boff, num_req, hq, slots,
         qk_scale, *strides, SEG=seg, **common,
     )
     return out
@@ -269,32 +417,68 @@ def token_scores_triton(
     *,
     last_q: int,
     scale: float,
-    scored: torch.Tensor,
+    sink: int,
+    allow_drop: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 [T] token scores (same definition as the reference); no host syncs."""
-    parts = _launch(q, k, cu_seqlens, last_q=last_q, scale=scale, scored=scored, seg=1)
-    return parts.sum(0)
+    """fp32 [T] token scores (same definition as the reference; zero on non-droppable rows)."""
+    _, block_n, _, _ = _config(q.shape[-1], last_q)
+    lay = _layout(cu_seqlens, allow_drop, min_len=sink + last_q, block_n=block_n, block_size=1)
+    return _score(q, k, lay, last_q=last_q, scale=scale, seg=1).sum(0)
 
 
-def block_scores_triton(
+def select_tokens_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     cu_seqlens: torch.Tensor,
     *,
+    top_p: float,
     block_size: int,
     last_q: int,
+    sink: int,
+    allow_drop: torch.Tensor | None,
+    keep_ratio: float | None,
     scale: float,
-    scored: torch.Tensor,
-) -> torch.Tensor:
-    """Flat fp32 block scores (layout of :mod:`uniprefill.ops.reference`); no host syncs.
-
-    Blocks are reduced inside the score kernel when ``block_size`` divides the
-    key tile, else from token scores with the shared torch reduction.
-    """
+    score_allreduce: Callable[[torch.Tensor], None] | None,
+) -> Selection:
+    """Fused scoring + selection; one host sync (the kept-token count). Arguments validated."""
+    num_tokens = q.shape[0]
+    num_req = cu_seqlens.numel() - 1
+    dev = q.device
     _, block_n, _, _ = _config(q.shape[-1], last_q)
-    if 1 < block_size <= block_n:
-        parts = _launch(q, k, cu_seqlens, last_q=last_q, scale=scale, scored=scored,
-                        seg=block_size)
-        return parts.sum(0)
-    tok = token_scores_triton(q, k, cu_seqlens, last_q=last_q, scale=scale, scored=scored)
-    return token_to_block_scores(tok, cu_seqlens, block_size)
+    lay = _layout(cu_seqlens, allow_drop, min_len=sink + last_q, block_n=block_n,
+                  block_size=block_size)
+    if 1 < block_size <= block_n:  # blocks reduced inside the score kernel
+        scores = _score(q, k, lay, last_q=last_q, scale=scale, seg=block_size).sum(0)
+    else:
+        tok = _score(q, k, lay, last_q=last_q, scale=scale, seg=1).sum(0)
+        scores = token_to_block_scores(tok, cu_seqlens, block_size)
+    if score_allreduce is not None:
+        score_allreduce(scores)
+    nslots = scores.numel()
+    bkeep = torch.empty(nslots, dtype=torch.int8, device=dev)
+    bi = 64
+    _select_kernel[(triton.cdiv(num_tokens // block_size + 1, bi), num_req)](
+        scores, lay[2], lay[3], bkeep, _f64_bits(top_p), _f64_bits(keep_ratio or 1.0),
+        USE_RATIO=keep_ratio is not None, BI=bi, BJ=128, num_warps=4,
+    )
+    keep = torch.empty(num_tokens, dtype=torch.bool, device=dev)
+    bt = 1024
+    grid_t = (triton.cdiv(num_tokens, bt),)
+    _token_kernel[grid_t](
+        lay, bkeep, keep, num_tokens, num_req, sink, last_q,
+        G=block_size, BT=bt, LOG_B=max(1, num_req.bit_length()), num_warps=4,
+    )
+    csum = torch.zeros(num_tokens + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(keep, 0, dtype=torch.int32, out=csum[1:])
+    gather = torch.empty(num_tokens, dtype=torch.int64, device=dev)
+    _gather_kernel[grid_t](keep, csum, gather, num_tokens, BT=bt, num_warps=4)
+    new_cu = torch.index_select(csum, 0, lay[0])
+    num_kept = int(new_cu[-1])  # the one host sync: gather_idx's length
+    return Selection(
+        keep=keep,
+        new_lens=new_cu[1:] - new_cu[:-1],
+        new_cu_seqlens=new_cu,
+        gather_idx=gather[:num_kept],
+        num_kept=num_kept,
+        block_scores=scores,
+    )
