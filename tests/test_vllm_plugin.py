@@ -45,8 +45,8 @@ def _llm(path: Path, arch: str, uniprefill: dict[str, Any] | None, **extra: Any)
         enable_prefix_caching=False,
         seed=0,
         **vllm_kwargs(arch),
-        **extra,
     )
+    kwargs.update(extra)
     if uniprefill is not None:
         kwargs["additional_config"] = {"uniprefill": uniprefill}
     return vllm.LLM(str(path), **kwargs)
@@ -197,6 +197,27 @@ def test_tensor_parallel_ranks_agree_and_match_reference(tiny_llama: Path, monke
     want, kept = _hf_expected(tiny_llama, prompts)
     assert got == want
     assert per_rank[0]["kept_tokens"] == kept
+
+
+def test_chunked_prompts_run_dense(tiny_llama: Path):
+    """A prompt split over steps cannot be scored (a chunk sees only its own keys): it
+    must run exactly as dense vLLM does, while a prompt fitting in one step still drops."""
+    prompts = _prompts((700, 24, 200), seed=5)
+    chunked = {"max_num_batched_tokens": 256}
+    dense = _llm(tiny_llama, "llama", None, **chunked)
+    try:
+        want = _tokens(dense.generate(prompts, _greedy()))
+    finally:
+        _close(dense)
+    llm = _llm(tiny_llama, "llama", {"top_p": 0.9, "drop_layers": [1, 3], **SMALL}, **chunked)
+    try:
+        got = _tokens(llm.generate(prompts[:2], _greedy()))
+        assert collect(llm)["dropped_prefills"] == 0
+        llm.generate(prompts[2:], _greedy())  # 200 tokens: one step, droppable
+        assert collect(llm)["dropped_prefills"] == 1
+    finally:
+        _close(llm)
+    assert got == want[:2]
 
 
 # ---- start-up errors ---------------------------------------------------------------------
