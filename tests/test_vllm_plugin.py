@@ -220,6 +220,27 @@ def test_chunked_prompts_run_dense(tiny_llama: Path):
     assert got == want[:2]
 
 
+def test_preempted_requests_restart_cleanly(tiny_llama: Path):
+    """Too few KV blocks for three long requests: vLLM preempts and recomputes some.
+
+    A recomputed request starts from scratch (its compacted KV is gone): its record
+    must be dropped, its recompute (prompt + generated tokens) runs dense, and it
+    must still finish."""
+    prompts = _prompts((400, 400, 400), seed=6)
+    cfg = {"top_p": 0.9, "drop_layers": [1, 3], **SMALL}
+    llm = _llm(
+        tiny_llama, "llama", cfg, num_gpu_blocks_override=80, block_size=16, max_model_len=1024
+    )
+    try:
+        outs = llm.generate(prompts, _greedy(200))
+        stats = collect(llm)
+    finally:
+        _close(llm)
+    assert [len(t) for t in _tokens(outs)] == [200, 200, 200]
+    assert stats["restarted"] >= 1
+    assert stats["records"] == 0
+
+
 # ---- start-up errors ---------------------------------------------------------------------
 def _engine_config(path: Path, uniprefill: Any, **kwargs: Any) -> Any:
     from vllm.engine.arg_utils import EngineArgs

@@ -29,6 +29,8 @@ class DropStats:
     seen: list[int] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
     dropped_prefills: int = 0
+    # Compacted requests computed again from scratch (resumed after a preemption).
+    restarted: int = 0
 
     def __post_init__(self) -> None:
         self.seen = [0] * len(self.drop_layers)
@@ -44,6 +46,7 @@ class DropStats:
             "seen_tokens": list(self.seen),
             "kept_tokens": list(self.kept),
             "dropped_prefills": self.dropped_prefills,
+            "restarted": self.restarted,
         }
 
 

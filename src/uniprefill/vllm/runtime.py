@@ -156,9 +156,12 @@ class UniPrefillRuntime:
         cfg = self.config
         qlen0 = np.asarray(qlen0, dtype=np.int64)
         ctx0 = np.asarray(ctx0, dtype=np.int64)
-        # A request computed from scratch this step has no compacted KV anymore.
+        # A request computed from scratch this step has no compacted KV anymore
+        # (vLLM recomputes a preempted request from its first token).
         for r in np.flatnonzero(ctx0 == 0):
-            self.table.forget(req_ids[r])
+            if req_ids[r] in self.table:
+                self.table.forget(req_ids[r])
+                self.stats.restarted += 1
         droppable = (
             (ctx0 == 0)
             & (qlen0 == np.asarray(num_prompt, dtype=np.int64))
