@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Device call 6 and later: install vLLM's dependency wheels (once per lease), make the
+# Device call 7 and later: install vLLM's dependency wheels (once per lease), make the
 # plugin's entry point visible, run benchmarks/bench_ttft.py with the given arguments.
+# .carry/deps3 holds loguru (compressed-tensors needs it; Qwen3-Next imports that).
 # usage (carry=[".carry/deps", ".carry/deps3"] the first time; nothing later):
 #   bash benchmarks/gpu/run_ttft.sh --models llama8b --lengths 8K,32K ...
 set -uo pipefail
@@ -10,7 +11,7 @@ mkdir -p "$OUT"
 if [[ ! -d /tmp/site1 ]]; then
   t0=$(date +%s)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site1 \
-    .carry/deps/*.whl .carry/deps3/*.whl || { echo "deps install failed"; exit 3; }
+    .carry/deps/*.whl $(ls .carry/deps3/*.whl 2>/dev/null) || { echo "deps install failed"; exit 3; }
   echo "deps installed in $(( $(date +%s) - t0 )) s"
 fi
 # vLLM finds plugins through entry points: a minimal dist-info on PYTHONPATH declares
@@ -20,7 +21,7 @@ mkdir -p "$di"
 printf 'Metadata-Version: 2.1\nName: uniprefill\nVersion: 0.1.0\n' > "$di/METADATA"
 printf '[vllm.general_plugins]\nuniprefill = uniprefill.vllm.plugin:register\n' \
   > "$di/entry_points.txt"
-export PYTHONPATH=/tmp/site1:/tmp/site:/tmp/upsite:$PWD/src
+export PYTHONPATH=/tmp/site2:/tmp/site1:/tmp/site:/tmp/upsite:$PWD/src
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1
 python3 - <<'PY' || exit 4
 import importlib.metadata as m, vllm
