@@ -29,7 +29,6 @@ import triton.testing
 
 from uniprefill.ops import select_tokens
 from uniprefill.ops import triton_select as ts
-from uniprefill.ops.reference import droppable_rows
 
 HQ, HKV, D = 32, 8, 128
 
@@ -82,12 +81,13 @@ def check_case(q, k, cu, kw: dict) -> dict:
 
 
 def time_case(q, k, cu, kw: dict) -> dict:
-    scored = droppable_rows(cu, kw["last_q"], kw["sink"], None)
+    _, block_n, _, _ = ts._config(D, kw["last_q"])
     scale = 1.0 / math.sqrt(D)
 
-    def scoring():
-        ts.block_scores_triton(q, k, cu, block_size=kw["block_size"], last_q=kw["last_q"],
-                               scale=scale, scored=scored)
+    def scoring():  # layout + the three scoring kernels + kv-head sum
+        lay = ts._layout(cu, None, min_len=kw["sink"] + kw["last_q"], block_n=block_n,
+                         block_size=kw["block_size"])
+        ts._score(q, k, lay, last_q=kw["last_q"], scale=scale, seg=kw["block_size"]).sum(0)
 
     return {
         "select_ms": bench(lambda: select_tokens(q, k, cu, impl="triton", **kw), 300),
@@ -98,12 +98,11 @@ def time_case(q, k, cu, kw: dict) -> dict:
 def tune(q, k, cu, kw: dict) -> list[dict]:
     """Scoring time for a few tile configs (the default is restored afterwards)."""
     out = []
-    scored = droppable_rows(cu, kw["last_q"], kw["sink"], None)
     for bm, bn, w in [(64, 128, 4), (64, 64, 4), (128, 64, 8), (128, 128, 8), (64, 128, 8)]:
         ts.CONFIG_OVERRIDE.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=w)
         try:
             ms = bench(lambda: ts.token_scores_triton(q, k, cu, last_q=kw["last_q"],
-                                                      scale=D**-0.5, scored=scored), 200)
+                                                      scale=D**-0.5, sink=kw["sink"]), 200)
         except Exception as exc:  # noqa: BLE001 - report configs that fail to compile
             ms = f"error: {type(exc).__name__}"
         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "scoring_ms": ms})
