@@ -256,7 +256,11 @@ def kept_summary(delta: dict | None, num_layers: int) -> dict[str, Any] | None:
         return None
     n0 = delta["seen"][0]
     per_layer = [k / s if s else None for k, s in zip(delta["kept"], delta["seen"], strict=True)]
-    alive = [k / n0 for k in delta["kept"]]
+    # A drop layer that scored nothing (every row down to sink + last_q tokens) keeps
+    # what the previous one left.
+    alive: list[float] = []
+    for k, s in zip(delta["kept"], delta["seen"], strict=True):
+        alive.append(k / n0 if s else (alive[-1] if alive else 1.0))
     d = delta["drop_layers"]
     # Layers 0..d_1 see every token; layers d_i+1..d_{i+1} see alive[i] of them.
     work = d[0] + 1
@@ -630,14 +634,14 @@ def _fmt_len(n: int) -> str:
 def markdown_table(doc: dict[str, Any]) -> str:
     rows = [
         "| model | length | conc | mode | TTFT median (s) | TTFT speedup | prefill tok/s | "
-        "throughput gain | kept per drop layer | work share |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "throughput gain | kept per drop layer | alive after last drop | work share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in doc["points"]:
         if "mode" not in p:
             rows.append(
                 f"| {p['model']} | {_fmt_len(p['length'])} | {p['concurrency']} | - | "
-                f"{p['skipped']} | | | | | |"
+                f"{p['skipped']} | | | | | | |"
             )
             continue
         kept = p.get("kept")
@@ -647,13 +651,14 @@ def markdown_table(doc: dict[str, Any]) -> str:
             else ""
         )
         work = f"{kept['work_share']:.2f}" if kept else ""
+        alive = f"{kept['alive_after'][-1]:.3f}" if kept else ""
         sp = f"{p['speedup_ttft']:.2f}x" if p.get("speedup_ttft") else ""
         gain = f"{100 * p['throughput_gain']:+.0f}%" if p.get("throughput_gain") is not None else ""
         rows.append(
             f"| {p['model']} | {_fmt_len(p['length'])} | {p['concurrency']} | {p['mode']}"
             f"{' (' + p['flag'] + ')' if p.get('flag') else ''} | "
             f"{p['ttft_median_s']:.3f} | {sp} | {p['prefill_tok_s']:,.0f} | {gain} | "
-            f"{kept_s} | {work} |"
+            f"{kept_s} | {alive} | {work} |"
         )
     if doc.get("errors"):
         rows.append("")
