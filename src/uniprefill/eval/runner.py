@@ -93,7 +93,7 @@ def stats_delta(after: dict[str, Any] | None, before: dict[str, Any] | None) -> 
         return after
     out = dict(after)
     for key in ("kept_tokens", "seen_tokens"):
-        out[key] = [a - b for a, b in zip(after[key], before[key], strict=False)]
+        out[key] = [a - b for a, b in zip(after[key], before[key], strict=True)]
     return out
 
 
@@ -103,12 +103,12 @@ def kept_summary(stats: dict[str, Any] | None) -> dict[str, Any]:
     if not stats or not stats.get("seen_tokens") or not any(stats["seen_tokens"]):
         return {"kept_ratio": None, "kept_ratio_per_layer": None, "final_kept_share": None}
     kept, seen = stats["kept_tokens"], stats["seen_tokens"]
-    per_layer = [k / s if s else None for k, s in zip(kept, seen, strict=False)]
+    per_layer = [k / s if s else None for k, s in zip(kept, seen, strict=True)]
     valid = [r for r in per_layer if r is not None]
     return {
         "kept_ratio": sum(valid) / len(valid) if valid else None,
         "kept_ratio_per_layer": dict(
-            zip(map(str, stats.get("drop_layers", [])), per_layer, strict=False)
+            zip(map(str, stats.get("drop_layers", [])), per_layer, strict=True)
         ),
         "final_kept_share": kept[-1] / seen[0] if seen[0] else None,
     }
@@ -135,12 +135,15 @@ def run_engine(
     additional_config: dict[str, Any] | None,
     progress: bool,
     desc: str,
-    batch_size: int = 4,
+    batch_size: int = 1,
     warmup: bool = True,
 ) -> EngineRun:
     """Start one engine, generate greedily for every prompt, free the engine.
 
-    ``warmup`` first prefills the first prompt once, untimed and outside the stats, so the
+    Prompts go one ``generate`` call per ``batch_size``: on CPU, long prefills are
+    compute-bound, so batching gains little, and one prompt per call gives per-prompt
+    times, kept ratios and a progress bar that moves. ``warmup`` first prefills the first
+    prompt once, untimed and outside the stats, so the
     first timed prompt does not pay one-off kernel set-up.
     """
     # In-process engine core: faster start on CPU, and no spawn of a __main__-less caller.
@@ -157,9 +160,8 @@ def run_engine(
     bar = Progress(len(prompts), desc, progress)
     try:
         if warmup and prompts:
-            llm.generate(
-                [prompts[0]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False
-            )
+            warm = SamplingParams(temperature=0.0, max_tokens=1)
+            llm.generate([prompts[0][:2048]], warm, use_tqdm=False)
         first = last = read_stats(llm)
         t0 = time.perf_counter()
         for i in range(0, len(prompts), batch_size):
@@ -205,7 +207,7 @@ def _max_positions(path: Path) -> int | None:
 
 def _accuracy(samples: Sequence[Sample], scores: Sequence[float]) -> dict[str, dict[str, float]]:
     acc: dict[str, dict[str, list[float]]] = {}
-    for s, sc in zip(samples, scores, strict=False):
+    for s, sc in zip(samples, scores, strict=True):
         acc.setdefault(s.task, {}).setdefault(str(s.target_len), []).append(sc)
     return {t: {n: 100.0 * sum(v) / len(v) for n, v in d.items()} for t, d in acc.items()}
 
@@ -288,13 +290,14 @@ def run_eval(
         )
     per_sample = [s.to_dict() for s in samples]
     for name, run in runs.items():
-        scores = [
-            string_match_all(o, s.answers) for o, s in zip(run.outputs, samples, strict=False)
-        ]
-        for row, out, sc, ft in zip(
-            per_sample, run.outputs, scores, run.first_tokens, strict=False
-        ):
+        scores = [string_match_all(o, s.answers) for o, s in zip(run.outputs, samples, strict=True)]
+        for row, out, sc, ft in zip(per_sample, run.outputs, scores, run.first_tokens, strict=True):
             row[f"{name}_output"], row[f"{name}_score"], row[f"{name}_first_token"] = out, sc, ft
+        if len(run.batch_seconds) == len(samples):  # one prompt per call: per-sample detail
+            for row, sec, st in zip(per_sample, run.batch_seconds, run.batch_stats, strict=True):
+                row[f"{name}_seconds"] = sec
+                if name == "uniprefill":
+                    row["uniprefill_kept_share"] = kept_summary(st)["final_kept_share"]
         acc = _accuracy(samples, scores)
         result[name] = {
             "accuracy": acc,
@@ -311,7 +314,7 @@ def run_eval(
         same = [
             a == b
             for a, b in zip(
-                runs["dense"].first_tokens, runs["uniprefill"].first_tokens, strict=False
+                runs["dense"].first_tokens, runs["uniprefill"].first_tokens, strict=True
             )
         ]
         result["first_token_agreement"] = sum(same) / len(same)
