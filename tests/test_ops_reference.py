@@ -105,6 +105,9 @@ def check_consistent(sel: Selection, cu: torch.Tensor) -> None:
     lens = [int(keep[bounds[b] : bounds[b + 1]].sum()) for b in range(len(bounds) - 1)]
     assert sel.new_lens.tolist() == lens
     assert sel.new_cu_seqlens.tolist() == [0, *torch.tensor(lens).cumsum(0).tolist()]
+    if sel.new_cu_seqlens_cpu is not None:  # the host copy made by the one sync
+        assert sel.new_cu_seqlens_cpu.device.type == "cpu"
+        assert sel.new_cu_seqlens_cpu.tolist() == sel.new_cu_seqlens.tolist()
 
 
 SHAPES = [

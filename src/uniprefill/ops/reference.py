@@ -45,6 +45,9 @@ class Selection:
     gather_idx: torch.Tensor
     num_kept: int
     block_scores: torch.Tensor | None
+    # new_cu_seqlens copied to the host by the one sync (None where no sync was needed):
+    # callers that need per-request kept lengths on the host read them here for free.
+    new_cu_seqlens_cpu: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -229,7 +232,9 @@ def _finish(
     counts = _prefix(keep.long())  # [T+1]
     new_cu = counts[cu]
     new_lens = (new_cu[1:] - new_cu[:-1]).int()
-    num_kept = int(new_cu[-1])  # the single host sync: gather_idx's size depends on it
+    # The single host sync: gather_idx's size depends on the kept count.
+    new_cu_cpu = new_cu.int().cpu()
+    num_kept = int(new_cu_cpu[-1])
     # Scatter kept token ids to their output slot; dropped ones go to a spare slot.
     dest = torch.where(keep, counts[1:] - 1, torch.full_like(counts[1:], num_kept))
     buf = torch.empty(num_kept + 1, dtype=torch.int64, device=keep.device)
@@ -241,6 +246,7 @@ def _finish(
         gather_idx=buf[:num_kept],
         num_kept=num_kept,
         block_scores=block_scores,
+        new_cu_seqlens_cpu=new_cu_cpu,
     )
 
 

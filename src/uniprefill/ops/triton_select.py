@@ -473,7 +473,8 @@ def select_tokens_triton(
     gather = torch.empty(num_tokens, dtype=torch.int64, device=dev)
     _gather_kernel[grid_t](keep, csum, gather, num_tokens, BT=bt, num_warps=4)
     new_cu = torch.index_select(csum, 0, lay[0])
-    num_kept = int(new_cu[-1])  # the one host sync: gather_idx's length
+    new_cu_cpu = new_cu.cpu()  # the one host sync: gather_idx's length
+    num_kept = int(new_cu_cpu[-1])
     return Selection(
         keep=keep,
         new_lens=new_cu[1:] - new_cu[:-1],
@@ -481,4 +482,5 @@ def select_tokens_triton(
         gather_idx=gather[:num_kept],
         num_kept=num_kept,
         block_scores=scores,
+        new_cu_seqlens_cpu=new_cu_cpu,
     )

@@ -278,7 +278,9 @@ class UniPrefillRuntime:
     def _compact(
         self, step: StepState, sel: Any, stage: int, hidden: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        new_qlen = np.diff(sel.new_cu_seqlens.cpu().numpy()).astype(np.int64)
+        cu = sel.new_cu_seqlens_cpu
+        cu = sel.new_cu_seqlens.cpu() if cu is None else cu  # None only if nothing synced
+        new_qlen = np.diff(cu.numpy()).astype(np.int64)
         self._count(step, stage, new_qlen)
         idx = sel.gather_idx
         # Padding rows (if any) are never in idx: after the first compaction the
