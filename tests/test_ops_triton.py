@@ -117,6 +117,7 @@ def test_selection_matches_reference(kw: dict) -> None:
     assert torch.equal(got.gather_idx, ref.gather_idx) and got.num_kept == ref.num_kept
     assert torch.equal(got.new_lens, ref.new_lens)
     assert torch.equal(got.new_cu_seqlens, ref.new_cu_seqlens)
+    assert torch.equal(got.new_cu_seqlens_cpu, got.new_cu_seqlens.cpu())
     assert got.num_kept < q.shape[0]
     # Selection stage on the kernel's own scores is deterministic.
     again = select_tokens(q, k, cu, impl="triton", **kw)
@@ -171,5 +172,7 @@ def test_kernel_selection_equals_torch_selection(mode: str, monkeypatch) -> None
         assert torch.equal(got.keep, ref.keep)
         assert torch.equal(got.gather_idx, ref.gather_idx) and got.num_kept == ref.num_kept
         assert torch.equal(got.new_cu_seqlens, ref.new_cu_seqlens)
+        assert torch.equal(got.new_cu_seqlens_cpu, got.new_cu_seqlens.cpu())
+    assert torch.equal(got.new_cu_seqlens_cpu, got.new_cu_seqlens.cpu())
         assert torch.equal(got.new_lens, ref.new_lens)
         assert got.num_kept < q.shape[0]
