@@ -301,3 +301,4 @@ def test_off_by_default_and_when_disabled(tiny_llama: Path):
     assert off.cache_config.enable_prefix_caching
     on = _engine_config(tiny_llama, {})
     assert not on.cache_config.enable_prefix_caching
+    assert not on.scheduler_config.async_scheduling

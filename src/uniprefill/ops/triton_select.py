@@ -100,7 +100,7 @@ def _find_request(tile_cu_ptr, tile, num_req):
     return lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_req"])
 def _stats_kernel(
     q_ptr, k_ptr, cu_ptr, tile_cu_ptr, mpart_ptr, lpart_ptr,
     num_req, hq, qk_scale,
@@ -160,7 +160,7 @@ def _combine_kernel(
     tl.store(istat_ptr + out, tl.where(den > 0, 1.0 / tl.maximum(den, 1e-30), 0.0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_req", "out_stride"])
 def _score_kernel(
     q_ptr, k_ptr, cu_ptr, tile_cu_ptr, mstat_ptr, istat_ptr, out_ptr, boff_ptr,
     num_req, hq, out_stride, qk_scale,
@@ -208,7 +208,7 @@ def _score_kernel(
     tl.store(dst, seg, mask=offs_s * SEG < n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_req", "min_len"])
 def _layout_kernel(
     cu_ptr, allow_ptr, lay_ptr, num_req, min_len,
     HAS_ALLOW: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, CH: tl.constexpr,
@@ -286,7 +286,7 @@ def _select_kernel(
     tl.store(bkeep_ptr + b0 + li, keep.to(tl.int8), mask=imask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_req", "sink", "last_q"])
 def _token_kernel(
     lay_ptr, bkeep_ptr, keep_ptr, num_tokens, num_req, sink, last_q,
     G: tl.constexpr, BT: tl.constexpr, LOG_B: tl.constexpr,
@@ -316,7 +316,7 @@ def _token_kernel(
     tl.store(keep_ptr + t, keep, mask=tmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _gather_kernel(keep_ptr, csum_ptr, out_ptr, num_tokens, BT: tl.constexpr):
     """Kept token t goes to slot csum[t] - 1 (csum: inclusive prefix count)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -339,6 +339,17 @@ def _config(head_dim: int, last_q: int) -> tuple[int, int, int, int]:
     block_n = CONFIG_OVERRIDE.get("BLOCK_N", block_n)
     warps = 8 if block_m * block_n >= 128 * 128 else 4
     return block_m, block_n, block_d, CONFIG_OVERRIDE.get("num_warps", warps)
+
+
+def _search_steps(num_req: int) -> int:
+    """Binary-search steps for ``num_req`` requests, rounded up to 4, 8 or 16.
+
+    The step count is a compile-time constant: rounding it keeps the number of
+    compiled variants at three instead of one per power of two of the batch size
+    (each recompile stalls an engine step). Extra steps are masked no-ops.
+    """
+    need = max(1, num_req.bit_length())
+    return next(b for b in (4, 8, 16, 32) if need <= b)
 
 
 def _f64_bits(x: float) -> int:
@@ -466,7 +477,7 @@ def select_tokens_triton(
     grid_t = (triton.cdiv(num_tokens, bt),)
     _token_kernel[grid_t](
         lay, bkeep, keep, num_tokens, num_req, sink, last_q,
-        G=block_size, BT=bt, LOG_B=max(1, num_req.bit_length()), num_warps=4,
+        G=block_size, BT=bt, LOG_B=_search_steps(num_req), num_warps=4,
     )
     csum = torch.zeros(num_tokens + 1, dtype=torch.int32, device=dev)
     torch.cumsum(keep, 0, dtype=torch.int32, out=csum[1:])

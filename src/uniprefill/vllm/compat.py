@@ -137,6 +137,17 @@ def _patch_engine_args() -> None:
         if self.enable_prefix_caching is None:
             self.enable_prefix_caching = False  # vLLM's default is on; see _check_engine_args
             logger.info("uniprefill: prefix caching turned off")
+        # Async scheduling publishes step N's tokens only once step N+1 is launched;
+        # the selection's host sync holds that launch for most of step N+1, so every
+        # first token would come a step late under load (measured on the H200).
+        if getattr(self, "async_scheduling", False) is None:
+            self.async_scheduling = False
+            logger.info("uniprefill: async scheduling turned off (first tokens come sooner)")
+        elif getattr(self, "async_scheduling", False):
+            logger.warning(
+                "uniprefill: with async_scheduling=True first tokens come one step late "
+                "under load; pass async_scheduling=False for the best TTFT"
+            )
         _check_engine_args(self)
         vllm_config = orig(self, *args, **kwargs)
         _check_vllm_config(vllm_config, cfg)
