@@ -251,6 +251,9 @@ def run_eval(
             f"has {limit}; use a length of at most {limit - max(budgets)} or fewer new tokens"
         )
     kw.setdefault("max_model_len", need if limit is None else min(need + 16, limit))
+    # A prompt split over several steps (chunked prefill) cannot be scored, so UniPrefill
+    # runs it dense: give one step room for the longest prompt so every prompt is tested.
+    kw.setdefault("max_num_batched_tokens", kw["max_model_len"])
     prompts = [s.prompt for s in samples]
 
     import vllm
