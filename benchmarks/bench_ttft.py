@@ -410,6 +410,10 @@ class Sweep:
         )
         if not a.smoke_cpu:
             kwargs["gpu_memory_utilization"] = a.gpu_mem_util
+            if spec["family"] == "qwen3_next":
+                # vLLM 0.26's default SM90 GDN prefill (FlashInfer cute DSL) is not on the
+                # H200 image; its Triton kernels are.
+                kwargs["additional_config"]["gdn_prefill_backend"] = "triton"
         if a.async_scheduling != "default":
             kwargs["async_scheduling"] = a.async_scheduling == "on"
         if a.smoke_cpu and spec["family"] == "qwen3_next":
