@@ -404,7 +404,6 @@ def _patch_model_runner() -> None:
             ctx0=batch.num_computed_tokens_cpu[:num_reqs],
             num_prompt=batch.num_prompt_tokens[:num_reqs],
             wants_prompt_logprobs=np.array([r in prompt_logprobs for r in req_ids], dtype=bool),
-            num_tokens=int(kwargs["num_tokens"]),
             groups=[],
         )
         if state.active:

@@ -92,9 +92,7 @@ class StepState:
     ctx0: np.ndarray
     droppable: np.ndarray  # bool [R]
     dropped: np.ndarray  # [R, S+1] from earlier steps
-    num_tokens: int
     groups: list[GroupBuild]
-    stage: int = 0
     qlen: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     positions: torch.Tensor | None = None
     gather_total: torch.Tensor | None = None  # kept rows, as indices into the step's input
@@ -139,9 +137,6 @@ class UniPrefillRuntime:
         self._select = select_fn
         self.step: StepState | None = None
 
-    def stage_of_layer(self, layer_idx: int) -> int:
-        return sum(1 for d in self.drop_layers if d < layer_idx)
-
     # ---- step lifecycle -------------------------------------------------------------
     def begin_step(
         self,
@@ -150,7 +145,6 @@ class UniPrefillRuntime:
         ctx0: np.ndarray,
         num_prompt: np.ndarray,
         wants_prompt_logprobs: np.ndarray,
-        num_tokens: int,
         groups: list[GroupBuild],
     ) -> StepState:
         cfg = self.config
@@ -177,7 +171,6 @@ class UniPrefillRuntime:
             ctx0=ctx0,
             droppable=droppable,
             dropped=self.table.matrix(req_ids),
-            num_tokens=num_tokens,
             groups=groups,
         )
         return self.step
@@ -236,7 +229,6 @@ class UniPrefillRuntime:
             return hidden_states, residual
         sel, step.pending = step.pending, None
         stage = self.stage_of_drop[layer_idx] + 1
-        step.stage = stage
         if sel is not None and sel.num_kept < int(step.qlen.sum()):
             hidden_states, residual = self._compact(step, sel, stage, hidden_states, residual)
         elif sel is not None:
