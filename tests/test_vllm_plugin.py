@@ -134,6 +134,9 @@ def test_mixed_batch_equals_solo_and_frees_lengths(dropping_llm: tuple[str, Any]
     for i, p in enumerate(_prompts((500, 20, 700, 300), seed=1)):
         solo[f"r{i}"] = _tokens(llm.generate([p], _greedy(8)))[0]
     assert staggered == solo
+    # vLLM tells the worker about finished requests in the next step's scheduler
+    # output, and drops its own request state then: so does UniPrefill.
+    llm.generate(_prompts((10,), seed=4), _greedy(1))
     assert collect(llm)["records"] == 0
 
 
@@ -233,6 +236,7 @@ def test_preempted_requests_restart_cleanly(tiny_llama: Path):
     )
     try:
         outs = llm.generate(prompts, _greedy(200))
+        llm.generate(_prompts((10,), seed=4), _greedy(1))  # delivers the finished ids
         stats = collect(llm)
     finally:
         _close(llm)
