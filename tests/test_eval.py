@@ -155,3 +155,15 @@ def test_too_long_for_the_model_is_refused_before_vllm(tiny_llama: Path) -> None
     # The tiny model has 4096 positions: a 4096-token prompt leaves no room for output.
     with pytest.raises(ValueError, match="needs .* positions but the model has 4096"):
         run_eval(str(tiny_llama), tasks=["niah_single"], lengths=[4096], samples_per_task=1)
+
+
+def test_cli_llm_args() -> None:
+    from uniprefill.cli import llm_args
+
+    assert llm_args(["disable_hybrid_kv_cache_manager=true", "max_num_seqs=4", "x=abc"]) == {
+        "disable_hybrid_kv_cache_manager": True,
+        "max_num_seqs": 4,
+        "x": "abc",
+    }
+    with pytest.raises(SystemExit):
+        llm_args(["novalue"])

@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-new-tokens", type=int, help="default: a per-task budget")
     ev.add_argument("--dtype", help="vLLM dtype (default: the model's, or the tiny arch's)")
     ev.add_argument("--max-model-len", type=int)
+    ev.add_argument(
+        "--llm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra vllm.LLM argument for both runs (VALUE parsed as JSON when it can be), "
+        "e.g. disable_hybrid_kv_cache_manager=true",
+    )
     ev.add_argument("--dense-only", action="store_true", help="skip the UniPrefill run")
     ev.add_argument("--json", type=Path, help="write the full result (with per-sample rows) here")
     ev.add_argument("--progress", action="store_true")
@@ -69,10 +77,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def llm_args(pairs: Sequence[str]) -> dict[str, Any]:
+    """``["k=v", ...]`` to a dict, with JSON values (``true``, ``4096``) where they parse."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--llm-arg expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def _eval(args: argparse.Namespace) -> int:
     from uniprefill.eval.runner import format_table, run_eval
 
-    llm_kwargs: dict[str, Any] = {}
+    llm_kwargs: dict[str, Any] = llm_args(args.llm_arg)
     if args.dtype:
         llm_kwargs["dtype"] = args.dtype
     if args.max_model_len:
