@@ -18,6 +18,9 @@ from uniprefill.eval.runner import kept_summary, run_engine
 DEFAULT_LENGTHS = (512, 1024, 1536)
 # Lower than the 0.99 default so a random model visibly drops tokens.
 DEFAULT_DEMO_CONFIG: dict[str, Any] = {"top_p": 0.9}
+# The tiny Qwen3-Next has full attention at layers 1 and 3 only, and the default
+# schedule skips the first and last full layer, so it would drop nothing: name one.
+DEMO_DROP_LAYERS: dict[str, list[int]] = {"qwen3_next": [1]}
 
 
 def run_demo(
@@ -36,6 +39,8 @@ def run_demo(
     from uniprefill.testing import cached_tiny_model, vllm_kwargs
 
     cfg = dict(DEFAULT_DEMO_CONFIG if uniprefill_config is None else uniprefill_config)
+    if arch in DEMO_DROP_LAYERS:
+        cfg.setdefault("drop_layers", DEMO_DROP_LAYERS[arch])
     print(f"building tiny {arch} model (cached) ...", file=out, flush=True)
     path = cached_tiny_model(arch)  # type: ignore[arg-type]
     count = token_counter(AutoTokenizer.from_pretrained(str(path)))
