@@ -274,6 +274,13 @@ def test_bad_config_fails_at_startup(tiny_llama: Path, uniprefill, kwargs, messa
         _engine_config(tiny_llama, uniprefill, **kwargs)
 
 
+def test_sliding_window_model_needs_hybrid_kv_manager_off(tiny_gemma3: Path):
+    cfg = _engine_config(tiny_gemma3, {})
+    assert cfg.scheduler_config.disable_hybrid_kv_cache_manager
+    with pytest.raises(ValueError, match="disable_hybrid_kv_cache_manager=False"):
+        _engine_config(tiny_gemma3, {}, disable_hybrid_kv_cache_manager=False)
+
+
 def test_drop_layer_must_be_full_attention(tiny_gemma3: Path, tiny_qwen3_next: Path):
     with pytest.raises(ValueError, match="layer 0 is a sliding_attention layer"):
         _engine_config(tiny_gemma3, {"drop_layers": [0]})

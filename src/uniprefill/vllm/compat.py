@@ -100,7 +100,7 @@ def _check_engine_args(args: Any) -> None:
         refuse("dual batch overlap (enable_dbo)", "micro-batches would split the selection")
 
 
-def _check_vllm_config(vllm_config: Any, cfg: UniPrefillConfig) -> None:
+def _check_vllm_config(vllm_config: Any, cfg: UniPrefillConfig, user_hma_off: Any) -> None:
     model_config = vllm_config.model_config
     if model_config.runner_type != "generate":
         raise ValueError("uniprefill: only generative models are supported (runner='generate')")
@@ -114,7 +114,15 @@ def _check_vllm_config(vllm_config: Any, cfg: UniPrefillConfig) -> None:
     if adapter.has_sliding_window(model_config.hf_config):
         # The hybrid KV manager frees sliding-window blocks by original length;
         # compacted KV and decode appends would land in freed blocks.
-        sched.disable_hybrid_kv_cache_manager = True
+        if user_hma_off is False:
+            raise ValueError(
+                "uniprefill: disable_hybrid_kv_cache_manager=False is not supported for "
+                "sliding-window models: the hybrid KV manager frees sliding-window blocks "
+                "by original length, which compacted KV still uses; leave it unset"
+            )
+        if not sched.disable_hybrid_kv_cache_manager:
+            sched.disable_hybrid_kv_cache_manager = True
+            logger.info("uniprefill: hybrid KV cache manager turned off (sliding window)")
     if sched.max_num_batched_tokens < model_config.max_model_len:
         logger.warning(
             "uniprefill: max_num_batched_tokens=%d < max_model_len=%d: prompts longer than "
@@ -150,8 +158,9 @@ def _patch_engine_args() -> None:
                 "under load; pass async_scheduling=False for the best TTFT"
             )
         _check_engine_args(self)
+        user_hma_off = getattr(self, "disable_hybrid_kv_cache_manager", None)
         vllm_config = orig(self, *args, **kwargs)
-        _check_vllm_config(vllm_config, cfg)
+        _check_vllm_config(vllm_config, cfg, user_hma_off)
         logger.info("uniprefill enabled: %s", cfg.to_dict())
         return vllm_config
 
