@@ -196,15 +196,14 @@ class UniPrefillRuntime:
         rows = step.droppable & (step.qlen > self.config.sink + self.config.last_q)
         if not rows.any():
             return
-        n = int(step.qlen.sum())
         cfg = self.config
-        qsl = np.zeros(len(step.qlen) + 1, dtype=np.int32)
-        np.cumsum(step.qlen, out=qsl[1:])
+        qsl = _query_start(step.qlen)
+        n = int(qsl[-1])
         dev = query.device
         step.pending = self._select(
             query[:n].view(n, num_heads, head_size),
             key[:n].view(n, num_kv_heads, head_size),
-            torch.from_numpy(qsl).to(dev, non_blocking=True),
+            torch.from_numpy(qsl.astype(np.int32)).to(dev, non_blocking=True),
             top_p=cfg.top_p,
             block_size=cfg.block_size,
             last_q=cfg.last_q,
@@ -232,7 +231,7 @@ class UniPrefillRuntime:
         if sel is not None and sel.num_kept < int(step.qlen.sum()):
             hidden_states, residual = self._compact(step, sel, stage, hidden_states, residual)
         elif sel is not None:
-            self._count(step, stage, step.qlen.copy())
+            self._count(step, stage, step.qlen)
         if step.compacted or step.dropped[:, stage].any():
             self._install_stage_metadata(step, stage, attn_metadata, slot_mapping)
         return hidden_states, residual
@@ -253,13 +252,13 @@ class UniPrefillRuntime:
     def record_step(self) -> None:
         """Store this step's compactions so later decode steps use them."""
         step = self.step
-        if step is None or not step.compacted:
+        if step is None or step.kept_at is None:  # kept_at is set by the first compaction
             return
-        final = np.zeros((len(step.req_ids), self.table.num_stages), dtype=np.int64)
         for r in np.flatnonzero(step.droppable):
-            final[r] = step_dropped_row(step, r)
-            self.table.record(step.req_ids[r], final[r])
-            if final[r, -1] > 0:
+            # Prompt tokens of row r removed before each stage in this step.
+            dropped = step.qlen0[r] - step.kept_at[r]
+            self.table.record(step.req_ids[r], dropped)
+            if dropped[-1] > 0:
                 self.stats.dropped_prefills += 1
 
     # ---- internals ------------------------------------------------------------------------
@@ -290,8 +289,7 @@ class UniPrefillRuntime:
         # Rows compacted this step start from an empty KV; others keep their context
         # minus what earlier steps dropped before this stage.
         ctx = step.ctx0 - step.dropped[:, stage]
-        qsl = np.zeros(len(step.qlen) + 1, dtype=np.int64)
-        np.cumsum(step.qlen, out=qsl[1:])
+        qsl = _query_start(step.qlen)
         seq = ctx + step.qlen
         num_tokens = int(qsl[-1])
         padded = num_tokens if step.compacted else step.num_tokens_padded
@@ -349,8 +347,8 @@ class UniPrefillRuntime:
                     slot_mapping[name] = slots
 
 
-def step_dropped_row(step: StepState, r: int) -> np.ndarray:
-    """Prompt tokens of row ``r`` removed before each stage in this step."""
-    if step.kept_at is None:
-        return np.zeros(step.dropped.shape[1], dtype=np.int64)
-    return step.qlen0[r] - step.kept_at[r]
+def _query_start(qlen: np.ndarray) -> np.ndarray:
+    """Query start locations ``[R+1]`` (int64) of rows with ``qlen`` tokens."""
+    qsl = np.zeros(len(qlen) + 1, dtype=np.int64)
+    np.cumsum(qlen, out=qsl[1:])
+    return qsl
