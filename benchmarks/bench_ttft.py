@@ -201,6 +201,87 @@ def _set_mode(worker: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"config": new.to_dict(), "drop_layers": list(rt.drop_layers)}
 
 
+def _profile_start(worker: Any) -> None:
+    """Runs in the worker: start a torch profiler (CPU + CUDA when there is a GPU)."""
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    prof = torch.profiler.profile(activities=acts)
+    prof.start()
+    worker._bench_profiler = prof
+
+
+def _profile_stop(worker: Any, trace_path: str | None, top: int) -> dict[str, Any]:
+    """Runs in the worker: stop the profiler; summarise where host and device time went.
+
+    ``gpu_busy_ms`` is the union of kernel intervals, ``gpu_span_ms`` first kernel start
+    to last kernel end: their difference is time the GPU sat idle inside the step (host
+    launch gaps, syncs). ``gaps`` lists the longest idle stretches, each with the kernels
+    on either side, to place them.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof = worker._bench_profiler
+    prof.stop()
+    worker._bench_profiler = None
+
+    def dev_us(e: Any) -> float:
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)))
+
+    avgs = list(prof.key_averages())
+    rows = [
+        {
+            "name": e.key[:90],
+            "count": int(e.count),
+            "self_cpu_ms": e.self_cpu_time_total / 1e3,
+            "self_dev_ms": dev_us(e) / 1e3,
+        }
+        for e in avgs
+    ]
+    by_dev = sorted(rows, key=lambda r: -r["self_dev_ms"])[:top]
+    by_cpu = sorted(rows, key=lambda r: -r["self_cpu_ms"])[:top]
+    runtime = [
+        r
+        for r in rows
+        if r["name"].startswith(("cuda", "cudaMalloc", "cudaFree")) or "Synchronize" in r["name"]
+    ]
+    kernels = []
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > 0:
+            kernels.append((e.time_range.start, e.time_range.end, e.name[:60]))
+    kernels.sort()
+    busy, gaps, cur_s, cur_e, prev = 0.0, [], None, None, None
+    for s, e, name in kernels:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+                gaps.append((s - cur_e, prev, name))
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+        prev = name
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    span = (kernels[-1][1] - kernels[0][0]) if kernels else 0.0
+    gaps.sort(key=lambda g: -g[0])
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    return {
+        "num_kernels": len(kernels),
+        "gpu_busy_ms": busy / 1e3,
+        "gpu_span_ms": span / 1e3,
+        "gaps": [{"ms": g / 1e3, "after": a, "before": b} for g, a, b in gaps[:top]],
+        "top_by_device": by_dev,
+        "top_by_cpu": by_cpu,
+        "runtime_calls": sorted(runtime, key=lambda r: -r["self_cpu_ms"])[:top],
+    }
+
+
 # ---- helpers -------------------------------------------------------------------------------------
 def log(msg: str) -> None:
     print(f"[bench_ttft {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -458,6 +539,8 @@ class Sweep:
             drop_layers = info["drop_layers"]
             self.doc["models"][name]["drop_layers"] = drop_layers
             log(f"{name}: drop layers {drop_layers}")
+            if a.profile_length:
+                self.profile(llm, sp, name, drop_layers)
             # Warm-up: every mode at the shortest length, once per concurrency (the
             # selection kernels compile per batch composition: see docs/benchmarks.md).
             warmed: set[int] = set()
@@ -490,6 +573,48 @@ class Sweep:
         finally:
             close_llm(llm)
             wait_gpu_free()
+
+    def profile(self, llm: Any, sp: Any, name: str, drop_layers: list[int]) -> None:
+        """One profiled prefill per mode (concurrency 1) after two unprofiled ones.
+
+        The summary (kernel time, GPU idle gaps, top ops, CUDA runtime calls) goes into
+        the JSON under ``profiles``; the first non-dense mode's chrome trace, gzipped,
+        next to it when ``--profile-trace`` is given.
+        """
+        a = self.args
+        length = a.profile_length
+        traced = False
+        for mode in a.profile_modes:
+            try:
+                self.set_mode(llm, mode, drop_layers)
+                for rep in range(2):
+                    run_batch(llm, sp, batch_prompts(length, 1, seed=500 + rep))
+                trace = None
+                if a.profile_trace and mode != "dense" and not traced:
+                    trace = str(self.out / f"trace_{name}_{mode}.json")
+                    traced = True
+                llm.collective_rpc(_profile_start)
+                r = run_batch(llm, sp, batch_prompts(length, 1, seed=502))
+                summary = llm.collective_rpc(_profile_stop, args=(trace, 25))[0]
+            except Exception as e:  # noqa: BLE001
+                self.error(f"{name}: profile {mode}", e)
+                continue
+            if trace:
+                subprocess.run(["gzip", "-f", trace], check=False)
+            summary.update(model=name, mode=mode, length=length, wall_s=r["wall_s"])
+            self.doc.setdefault("profiles", []).append(summary)
+            self.save()
+            log(
+                f"PROFILE {name} L={length} {mode}: wall {1e3 * r['wall_s']:.1f} ms, "
+                f"{summary['num_kernels']} kernels, GPU busy {summary['gpu_busy_ms']:.1f} ms "
+                f"of span {summary['gpu_span_ms']:.1f} ms"
+            )
+            for g in summary["gaps"][:8]:
+                log(f"  gap {g['ms']:.2f} ms after {g['after']} before {g['before']}")
+            for row in summary["top_by_device"][:12]:
+                log(f"  dev {row['self_dev_ms']:8.2f} ms x{row['count']:<5} {row['name']}")
+            for row in summary["runtime_calls"][:8]:
+                log(f"  rt  {row['self_cpu_ms']:8.2f} ms x{row['count']:<5} {row['name']}")
 
     def warm_up(self, llm, sp, name, modes, drop_layers, length, conc, failed) -> None:
         for mode in modes:
@@ -784,6 +909,16 @@ def main(argv: list[str] | None = None) -> int:
         default="default",
         help="vLLM async scheduling (0.26 turns it on); see docs/benchmarks.md",
     )
+    p.add_argument(
+        "--profile-length",
+        default="0",
+        help="before the sweep, profile one concurrency-1 prefill of this length per "
+        "--profile-modes (torch profiler in the worker; 0: off)",
+    )
+    p.add_argument("--profile-modes", default="dense,keep0.3")
+    p.add_argument(
+        "--profile-trace", action="store_true", help="also write a gzipped chrome trace"
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--model-root", default="/tmp/uniprefill_bench_models")
@@ -819,6 +954,10 @@ def main(argv: list[str] | None = None) -> int:
         if m not in MODELS:
             p.error(f"unknown model {m!r}; choose from {sorted(MODELS)}")
     a.lengths = _ints(a.lengths)
+    a.profile_length = _ints(a.profile_length)[0]
+    a.profile_modes = [m.strip() for m in a.profile_modes.split(",") if m.strip()]
+    for m in a.profile_modes:
+        mode_config(m, None)
     a.concurrency = _ints(a.concurrency)
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     for m in a.modes:

@@ -208,14 +208,13 @@ def _score_kernel(
     tl.store(dst, seg, mask=offs_s * SEG < n)
 
 
-@triton.jit(do_not_specialize=["num_req", "min_len"])
+@triton.jit(do_not_specialize=["num_req", "stride", "min_len"])
 def _layout_kernel(
-    cu_ptr, allow_ptr, lay_ptr, num_req, min_len,
+    cu_ptr, allow_ptr, lay_ptr, num_req, stride, min_len,
     HAS_ALLOW: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, CH: tl.constexpr,
 ):
-    """One program: int32 rows of ``lay`` (each num_req+1 long):
+    """One program: int32 rows of ``lay`` (num_req+1 used, ``stride`` apart):
     0 cu_seqlens, 1 key-tile offsets (droppable rows only), 2 block offsets, 3 droppable."""
-    stride = num_req + 1
     zero = tl.program_id(0) * 0
     carry_t = zero
     carry_b = zero
@@ -286,13 +285,12 @@ def _select_kernel(
     tl.store(bkeep_ptr + b0 + li, keep.to(tl.int8), mask=imask)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_req", "sink", "last_q"])
+@triton.jit(do_not_specialize=["num_tokens", "num_req", "stride", "sink", "last_q"])
 def _token_kernel(
-    lay_ptr, bkeep_ptr, keep_ptr, num_tokens, num_req, sink, last_q,
+    lay_ptr, bkeep_ptr, keep_ptr, num_tokens, num_req, stride, sink, last_q,
     G: tl.constexpr, BT: tl.constexpr, LOG_B: tl.constexpr,
 ):
     """Token keep mask: kept block, sink, last queries, or non-droppable row."""
-    stride = num_req + 1
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < num_tokens
     # request of each token: number of request ends <= t (vector binary search)
@@ -368,13 +366,17 @@ def _layout(
     block_size: int,
 ) -> torch.Tensor:
     num_req = cu_seqlens.numel() - 1
-    lay = torch.empty(4, num_req + 1, dtype=torch.int32, device=cu_seqlens.device)
+    # Rows padded to 16 bytes: Triton specialises pointer arguments on 16-byte
+    # alignment, so unpadded rows (lay[1], lay[2], ...) would compile a new kernel
+    # variant for each class of num_req % 4 met in serving.
+    stride = triton.cdiv(num_req + 1, 4) * 4
+    lay = torch.empty(4, stride, dtype=torch.int32, device=cu_seqlens.device)
     has_allow = allow_drop is not None
     _layout_kernel[(1,)](
-        cu_seqlens, allow_drop if has_allow else cu_seqlens, lay, num_req, min_len,
+        cu_seqlens, allow_drop if has_allow else cu_seqlens, lay, num_req, stride, min_len,
         HAS_ALLOW=has_allow, BLOCK_N=block_n, G=block_size, CH=1024, num_warps=4,
     )
-    return lay
+    return lay[:, : num_req + 1]
 
 
 def _score(
@@ -476,7 +478,7 @@ def select_tokens_triton(
     bt = 1024
     grid_t = (triton.cdiv(num_tokens, bt),)
     _token_kernel[grid_t](
-        lay, bkeep, keep, num_tokens, num_req, sink, last_q,
+        lay, bkeep, keep, num_tokens, num_req, lay.stride(0), sink, last_q,
         G=block_size, BT=bt, LOG_B=_search_steps(num_req), num_warps=4,
     )
     csum = torch.zeros(num_tokens + 1, dtype=torch.int32, device=dev)

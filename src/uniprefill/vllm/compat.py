@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import logging
 import re
+import time
 from typing import Any
 
 import numpy as np
@@ -496,10 +497,27 @@ def _install_runtime(runner: Any) -> None:
     adapter = adapter_for(model_config.architectures)
     drop_layers = adapter.resolve_drop_layers(model_config.hf_config, cfg.drop_layers)
     rt = UniPrefillRuntime(cfg, drop_layers, runner.device, score_allreduce=_tp_allreduce())
-    _install_model_hooks(runner.get_model(), adapter, rt)
+    model = runner.get_model()
+    _install_model_hooks(model, adapter, rt)
     runner._uniprefill = rt
     runner._uniprefill_in_execute = False
     logger.info("uniprefill: %s, drop layers %s", adapter.family, list(drop_layers))
+    if drop_layers and runner.device.type == "cuda":  # Triton; the CPU reference compiles nothing
+        attn = adapter.attention(model.model.layers[drop_layers[0]])
+        t0 = time.perf_counter()
+        counts = rt.warm_up(
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_size,
+            model_config.dtype,
+            float(attn.impl.scale),
+            runner.vllm_config.scheduler_config.max_num_seqs,
+        )
+        logger.info(
+            "uniprefill: selection kernels compiled for %s requests in %.1f s",
+            counts,
+            time.perf_counter() - t0,
+        )
 
 
 def _wrap_load_model(cls: type) -> None:

@@ -137,6 +137,45 @@ class UniPrefillRuntime:
         self._select = select_fn
         self.step: StepState | None = None
 
+    def warm_up(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+        scale: float,
+        max_num_reqs: int,
+    ) -> list[int]:
+        """Run the selection once per compiled variant, on synthetic rows, at start-up.
+
+        The Triton kernels compile at their first call, and one of them once per
+        batch-size class (its binary-search depth is a compile-time constant for 1-15,
+        16-255 and 256+ requests). Without this the first prefills that meet each
+        variant stall for seconds. Each call holds one droppable prompt and ``R - 1``
+        decode rows. Returns the request counts used.
+        """
+        cfg = self.config
+        prompt = cfg.sink + cfg.last_q + 4 * cfg.block_size
+        counts = [r for r in (1, 16, 256) if r == 1 or r <= max_num_reqs]
+        modes: list[dict[str, Any]] = [{"top_p": min(cfg.top_p, 0.99), "keep_ratio": None}]
+        if cfg.keep_ratio is not None:
+            modes.append({"top_p": cfg.top_p, "keep_ratio": cfg.keep_ratio})
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        for num_reqs in counts:
+            lens = np.array([prompt] + [1] * (num_reqs - 1), dtype=np.int64)
+            n = int(lens.sum())
+            q = torch.randn(n, num_heads, head_size, generator=gen).to(self.device, dtype)
+            k = torch.randn(n, num_kv_heads, head_size, generator=gen).to(self.device, dtype)
+            cu = torch.from_numpy(_query_start(lens).astype(np.int32)).to(self.device)
+            allow = torch.zeros(num_reqs, dtype=torch.bool, device=self.device)
+            allow[0] = True
+            for mode in modes:
+                self._select(
+                    q, k, cu, block_size=cfg.block_size, last_q=cfg.last_q, sink=cfg.sink,
+                    allow_drop=allow, scale=scale, score_allreduce=None, **mode,
+                )
+        return counts
+
     # ---- step lifecycle -------------------------------------------------------------
     def begin_step(
         self,
