@@ -32,7 +32,12 @@ import torch
 
 from uniprefill.config import UniPrefillConfig
 from uniprefill.vllm.adapters import ModelAdapter, adapter_for
-from uniprefill.vllm.runtime import GroupBuild, StageLens, UniPrefillRuntime
+from uniprefill.vllm.runtime import (
+    GroupBuild,
+    StageLens,
+    UniPrefillRuntime,
+    compaction_reserve_bytes,
+)
 
 # A child of vLLM's logger, so messages use vLLM's handlers and levels.
 logger = logging.getLogger("vllm.uniprefill")
@@ -501,9 +506,11 @@ def _install_runtime(runner: Any) -> None:
     _install_model_hooks(model, adapter, rt)
     runner._uniprefill = rt
     runner._uniprefill_in_execute = False
+    runner._uniprefill_score_heads = 0
     logger.info("uniprefill: %s, drop layers %s", adapter.family, list(drop_layers))
     if drop_layers and runner.device.type == "cuda":  # Triton; the CPU reference compiles nothing
         attn = adapter.attention(model.model.layers[drop_layers[0]])
+        runner._uniprefill_score_heads = attn.num_heads
         t0 = time.perf_counter()
         counts = rt.warm_up(
             attn.num_heads,
@@ -518,6 +525,44 @@ def _install_runtime(runner: Any) -> None:
             counts,
             time.perf_counter() - t0,
         )
+
+
+def _patch_profile_run() -> None:
+    """Hold UniPrefill's extra peak memory during vLLM's memory profile run.
+
+    vLLM sizes the KV cache from the peak of a dense dummy forward; UniPrefill's
+    compacted copies come on top of that peak (seen on the H200: an out-of-memory
+    error in a Qwen3-Next step of 4 x 64K tokens that dense vLLM just fit).
+    """
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    orig = GPUModelRunner.profile_run
+
+    @functools.wraps(orig)
+    def profile_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rt = getattr(self, "_uniprefill", None)
+        if rt is None or self.device.type != "cuda" or not rt.drop_layers:
+            return orig(self, *args, **kwargs)
+        model_config = self.vllm_config.model_config
+        sched = self.vllm_config.scheduler_config
+        nbytes = compaction_reserve_bytes(
+            max_tokens=sched.max_num_batched_tokens,
+            max_reqs=sched.max_num_seqs,
+            hidden_size=model_config.get_hidden_size(),
+            act_bytes=torch.empty(0, dtype=model_config.dtype).element_size(),
+            num_q_heads=self._uniprefill_score_heads,
+            last_q=rt.config.last_q,
+        )
+        logger.info(
+            "uniprefill: %.2f GiB held for compaction during memory profiling", nbytes / 2**30
+        )
+        reserve = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            del reserve
+
+    GPUModelRunner.profile_run = profile_run
 
 
 def _wrap_load_model(cls: type) -> None:
@@ -553,6 +598,7 @@ def install() -> None:
     _patch_engine_args()
     _patch_v2_runner_choice()
     _patch_model_runner()
+    _patch_profile_run()
     _patch_cpu_runner_load()
     _patch_worker_stats()
     _installed = True

@@ -58,6 +58,30 @@ class GroupBuild:
     kernel_block_size: int
 
 
+def compaction_reserve_bytes(
+    max_tokens: int,
+    max_reqs: int,
+    hidden_size: int,
+    act_bytes: int,
+    num_q_heads: int,
+    last_q: int,
+) -> int:
+    """Device memory a step may need on top of vLLM's dense forward (an upper bound).
+
+    At a gather point the compacted hidden states and residual are new tensors that
+    live beside the originals until the layer moves on; the selection adds fp32
+    per-key-tile softmax partials (key tiles are >= 64 tokens, queries padded by
+    less than 128) and a few per-token index buffers. vLLM sizes the KV cache from a
+    dense profile run, so this much must be held during that run or the first long
+    compacted batch can run out of memory.
+    """
+    copies = 2 * max_tokens * hidden_size * act_bytes
+    tiles = max_tokens // 64 + max_reqs
+    partials = 2 * tiles * num_q_heads * (last_q + 128) * 4
+    indices = max_tokens * (1 + 4 + 8 + 8)  # keep mask, prefix count, gather, composed gather
+    return copies + partials + indices
+
+
 def compute_slot_mapping(
     block_table: torch.Tensor,
     kernel_block_size: int,
@@ -171,8 +195,16 @@ class UniPrefillRuntime:
             allow[0] = True
             for mode in modes:
                 self._select(
-                    q, k, cu, block_size=cfg.block_size, last_q=cfg.last_q, sink=cfg.sink,
-                    allow_drop=allow, scale=scale, score_allreduce=None, **mode,
+                    q,
+                    k,
+                    cu,
+                    block_size=cfg.block_size,
+                    last_q=cfg.last_q,
+                    sink=cfg.sink,
+                    allow_drop=allow,
+                    scale=scale,
+                    score_allreduce=None,
+                    **mode,
                 )
         return counts
 

@@ -1,4 +1,4 @@
-"""Start-up warm-up of the selection: one call per compiled variant, on synthetic rows."""
+"""Start-up work of the runtime: kernel warm-up and the memory held during vLLM's profile run."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 
 from uniprefill.config import UniPrefillConfig
 from uniprefill.ops import select_tokens
-from uniprefill.vllm.runtime import UniPrefillRuntime
+from uniprefill.vllm.runtime import UniPrefillRuntime, compaction_reserve_bytes
 
 
 def _runtime(cfg: UniPrefillConfig, calls: list[dict]) -> UniPrefillRuntime:
@@ -41,3 +41,11 @@ def test_warm_up_respects_max_num_reqs_and_keep_ratio() -> None:
     assert rt.warm_up(4, 2, 32, torch.float32, 0.2, max_num_reqs=8) == [1]
     # top_p 1.0 alone would compile nothing: the top-p variant runs at 0.99, then the ratio one.
     assert [(c["top_p"], c["keep_ratio"]) for c in calls] == [(0.99, None), (1.0, 0.5)]
+
+
+def test_compaction_reserve_covers_the_two_copies_and_scratch() -> None:
+    # Qwen3-Next shape on one GPU: 256K tokens a step, hidden 2048, bf16, 16 q heads.
+    n = compaction_reserve_bytes(262144, 16, 2048, 2, 16, 128)
+    copies = 2 * 262144 * 2048 * 2  # compacted hidden + residual beside the originals
+    assert copies < n < copies + 256 * 2**20
+    assert compaction_reserve_bytes(131072, 16, 2048, 2, 16, 128) < n  # grows with tokens
