@@ -769,6 +769,14 @@ def _fmt_len(n: int) -> str:
     return f"{n // KB}K" if n % KB == 0 else str(n)
 
 
+def _point_order(p: dict[str, Any]) -> tuple:
+    """Table order: model, concurrency, length, then dense, top-p, keep ratios high to low."""
+    mode = p.get("mode", "")
+    rank = 0 if mode == "dense" else 1 if mode.startswith("topp") else 2
+    ratio = -float(mode[4:]) if mode.startswith("keep") else 0.0
+    return (p["model"], p["concurrency"], p["length"], rank, ratio)
+
+
 def markdown_table(doc: dict[str, Any]) -> str:
     rows = [
         "| model | length | conc | mode | TTFT median (s) | TTFT speedup | prefill tok/s | "
@@ -874,7 +882,43 @@ def make_plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
         log(f"plot {path}")
+    work = _plot_work_share(plt, pts, out_dir, gpu)
+    if work is not None:
+        written.append(work)
     return written
+
+
+def _plot_work_share(plt: Any, pts: list[dict[str, Any]], out_dir: Path, gpu: str) -> Path | None:
+    """TTFT speedup against work share (concurrency 1), one line per model and length.
+
+    Work share is the average share of prompt tokens a layer still sees; it is what
+    a trained model's top-p decides, so this curve is what transfers from random to
+    trained weights. The dashed line is 1 / work share (GEMM-bound ideal).
+    """
+    by_line: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for p in pts:
+        if p["concurrency"] == 1 and p.get("kept") and p.get("speedup_ttft"):
+            key = (p["model"], p["length"])
+            by_line.setdefault(key, []).append((p["kept"]["work_share"], p["speedup_ttft"]))
+    if not by_line:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for i, ((model, length), line) in enumerate(sorted(by_line.items())):
+        xs, ys = zip(*sorted(line), strict=True)
+        ax.plot(xs, ys, marker="o", color=f"C{i}", label=f"{model} {_fmt_len(length)}")
+    grid = [0.3 + 0.01 * i for i in range(71)]
+    ax.plot(grid, [1 / w for w in grid], "k--", lw=0.8, label="1 / work share")
+    ax.set_xlabel("work share (mean share of tokens a layer sees)")
+    ax.set_ylabel("TTFT speedup vs dense (concurrency 1)")
+    ax.set_title(f"UniPrefill speedup vs work share, {gpu}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "ttft_vs_work_share.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    log(f"plot {path}")
+    return path
 
 
 def _ints(s: str) -> list[int]:
@@ -956,6 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
             doc["points"] += d["points"]
             doc["errors"] += d.get("errors", [])
             doc["env"] = d.get("env", doc["env"])
+        doc["points"].sort(key=_point_order)
         print(markdown_table(doc))
         make_plots(doc, Path(a.out))
         return 0
