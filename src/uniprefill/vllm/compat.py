@@ -502,15 +502,12 @@ def _install_runtime(runner: Any) -> None:
     adapter = adapter_for(model_config.architectures)
     drop_layers = adapter.resolve_drop_layers(model_config.hf_config, cfg.drop_layers)
     rt = UniPrefillRuntime(cfg, drop_layers, runner.device, score_allreduce=_tp_allreduce())
-    model = runner.get_model()
-    _install_model_hooks(model, adapter, rt)
+    _install_model_hooks(runner.get_model(), adapter, rt)
     runner._uniprefill = rt
     runner._uniprefill_in_execute = False
-    runner._uniprefill_score_heads = 0
     logger.info("uniprefill: %s, drop layers %s", adapter.family, list(drop_layers))
     if drop_layers and runner.device.type == "cuda":  # Triton; the CPU reference compiles nothing
-        attn = adapter.attention(model.model.layers[drop_layers[0]])
-        runner._uniprefill_score_heads = attn.num_heads
+        attn = _scoring_attention(runner, rt)
         t0 = time.perf_counter()
         counts = rt.warm_up(
             attn.num_heads,
@@ -525,6 +522,12 @@ def _install_runtime(runner: Any) -> None:
             counts,
             time.perf_counter() - t0,
         )
+
+
+def _scoring_attention(runner: Any, rt: UniPrefillRuntime) -> Any:
+    """The first drop layer's attention module (its heads are what the selection scores)."""
+    adapter = adapter_for(runner.vllm_config.model_config.architectures)
+    return adapter.attention(runner.get_model().model.layers[rt.drop_layers[0]])
 
 
 def _patch_profile_run() -> None:
@@ -550,7 +553,7 @@ def _patch_profile_run() -> None:
             max_reqs=sched.max_num_seqs,
             hidden_size=model_config.get_hidden_size(),
             act_bytes=torch.empty(0, dtype=model_config.dtype).element_size(),
-            num_q_heads=self._uniprefill_score_heads,
+            num_q_heads=_scoring_attention(self, rt).num_heads,
             last_q=rt.config.last_q,
         )
         logger.info(
