@@ -1,4 +1,4 @@
-"""``uniprefill`` command line: ``eval`` (accuracy, dense vs UniPrefill) and ``demo``."""
+"""``uniprefill`` command line: ``eval`` (dense vs UniPrefill accuracy), ``report``, ``demo``."""
 
 from __future__ import annotations
 
@@ -70,6 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--progress", action="store_true")
     _add_method_args(ev)
 
+    rep = sub.add_parser(
+        "report", help="merge eval JSON files: paired dense-vs-UniPrefill gap with 95%% CIs"
+    )
+    rep.add_argument("files", nargs="+", type=Path, help="written by `uniprefill eval --json`")
+    rep.add_argument(
+        "--by",
+        default="model,length",
+        help="comma-separated grouping from model, task, length (default: model,length)",
+    )
+    rep.add_argument("--plot", type=Path, help="also write accuracy vs length (PNG, matplotlib)")
+
     demo = sub.add_parser("demo", help="tiny model: dense vs UniPrefill, kept ratio and time")
     demo.add_argument("--arch", default="llama", choices=("llama", "gemma3", "qwen3_next"))
     demo.add_argument("--lengths", type=_lengths, default=[512, 1024, 1536])
@@ -118,6 +129,23 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from uniprefill.eval.report import format_summary, load_samples, plot_by_length, summarize
+
+    by = [f.strip() for f in args.by.split(",") if f.strip()]
+    bad = [f for f in by if f not in ("model", "task", "length")]
+    if bad or not by:
+        raise SystemExit(f"--by takes model, task and/or length, got {args.by!r}")
+    samples = load_samples(args.files)
+    print(format_summary(summarize(samples, by), by))
+    if set(by) != {"model"}:
+        print()
+        print(format_summary(summarize(samples, ["model"]), ["model"]))
+    if args.plot:
+        print(f"wrote {plot_by_length(samples, args.plot)}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from uniprefill.demo import DEFAULT_DEMO_CONFIG, run_demo
 
@@ -130,6 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "eval":
         return _eval(args)
+    if args.command == "report":
+        return _report(args)
     return _demo(args)
 
 
