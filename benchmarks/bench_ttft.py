@@ -475,7 +475,10 @@ class Sweep:
         self.doc["env"] = info
         log(f"env: {info}")
 
-    def start_engine(self, name: str, mdir: Path) -> Any:
+    def start_engine(self, name: str, mdir: Path, compiled: bool = False) -> Any:
+        """The sweep's engine (eager, plugin loaded and switched per mode), or with
+        ``compiled`` plain vLLM as users run it by default: no ``uniprefill`` entry (the
+        plugin stays off), torch.compile and CUDA graphs on."""
         import vllm
 
         a = self.args
@@ -506,11 +509,22 @@ class Sweep:
             kwargs["async_scheduling"] = a.async_scheduling == "on"
         if a.smoke_cpu and spec["family"] == "qwen3_next":
             kwargs["mamba_ssm_cache_dtype"] = "float32"
-        log(f"starting engine {name}: {kwargs}")
+        if compiled:
+            kwargs["enforce_eager"] = False
+            del kwargs["additional_config"]["uniprefill"]
+            if not kwargs["additional_config"]:
+                del kwargs["additional_config"]
+        log(f"starting engine {name}{' (compiled, plugin off)' if compiled else ''}: {kwargs}")
         t0 = time.time()
         llm = vllm.LLM(str(mdir), **kwargs)
         startup = time.time() - t0
         log(f"engine {name} up in {startup:.1f} s")
+        if compiled:
+            self.doc["models"][name]["compiled_engine"] = {
+                "engine_kwargs": dict(kwargs),
+                "startup_s": startup,
+            }
+            return llm
         self.doc["models"][name] = {
             "engine_kwargs": {k: v for k, v in kwargs.items()},
             "startup_s": startup,
@@ -582,6 +596,95 @@ class Sweep:
         finally:
             close_llm(llm)
             wait_gpu_free()
+        if a.compiled_baseline:
+            self.run_compiled_baseline(name, mdir, sp)
+
+    def run_compiled_baseline(self, name: str, mdir: Path, sp: Any) -> None:
+        """Dense TTFT of plain compiled vLLM at every point the eager sweep measured.
+
+        Same prompts (same seeds) as the sweep. The eager engine is what UniPrefill needs
+        (docs/usage.md), so its dense mode is the like-for-like reference; this one says
+        what a user running vLLM's defaults gives up or gains by switching.
+        """
+        a = self.args
+        done = sorted(
+            {
+                (p["length"], p["concurrency"])
+                for p in self.doc["points"]
+                if p.get("model") == name and p.get("mode") == "dense"
+            },
+            key=lambda lc: (lc[1], lc[0]),
+        )
+        if not done:
+            return
+        if self.elapsed() > a.deadline_s - a.min_model_s / 2:
+            log(f"{name}: no time left for the compiled baseline")
+            self.doc["errors"].append(
+                {"where": f"{name} compiled", "error": "skipped: time budget"}
+            )
+            return
+        try:
+            llm = self.start_engine(name, mdir, compiled=True)
+        except Exception as e:  # noqa: BLE001
+            self.error(f"{name}: compiled engine start", e)
+            return
+        try:
+            for conc in sorted({c for _, c in done}):
+                run_batch(llm, sp, batch_prompts(min(a.lengths), conc, seed=999))
+            for length, conc in done:
+                eager = self.dense_point(name, length, conc)
+                left = a.deadline_s - self.elapsed()
+                if eager["wall_median_s"] * a.repeats * 1.2 > left:
+                    log(f"{name}: compiled skip L={length} c={conc}: {left:.0f} s left")
+                    continue
+                walls, ttfts = [], []
+                for rep in range(a.repeats):
+                    r = run_batch(
+                        llm, sp, batch_prompts(length, conc, seed=1000 * rep + length + conc)
+                    )
+                    walls.append(r["wall_s"])
+                    ttfts.append(statistics.fmean(r["ttft_s"]))
+                ttft, wall = statistics.median(ttfts), statistics.median(walls)
+                self.doc["points"].append(
+                    {
+                        "model": name,
+                        "length": length,
+                        "concurrency": conc,
+                        "mode": "dense_compiled",
+                        "repeats": len(walls),
+                        "ttft_median_s": ttft,
+                        "ttft_mean_all_reps_s": ttfts,
+                        "wall_median_s": wall,
+                        "wall_all_s": walls,
+                        "prefill_tok_s": conc * length / wall,
+                        "ttft_source": r["ttft_source"],
+                        # relative to the eager dense of the same prompts
+                        "speedup_ttft": eager["ttft_median_s"] / ttft,
+                        "throughput_gain": eager["wall_median_s"] / wall - 1.0,
+                        "stats": None,
+                        "kept": None,
+                    }
+                )
+                log(
+                    f"{name} L={length} c={conc} dense_compiled ttft {ttft:.3f} s "
+                    f"(eager dense {eager['ttft_median_s']:.3f} s)"
+                )
+                self.save()
+        except Exception as e:  # noqa: BLE001
+            self.error(f"{name}: compiled baseline", e)
+        finally:
+            close_llm(llm)
+            wait_gpu_free()
+
+    def dense_point(self, name: str, length: int, conc: int) -> dict[str, Any]:
+        return next(
+            p
+            for p in self.doc["points"]
+            if p.get("model") == name
+            and p.get("mode") == "dense"
+            and p["length"] == length
+            and p["concurrency"] == conc
+        )
 
     def profile(self, llm: Any, sp: Any, name: str, drop_layers: list[int]) -> None:
         """One profiled prefill per mode (concurrency 1) after two unprofiled ones.
@@ -772,7 +875,7 @@ def _fmt_len(n: int) -> str:
 def _point_order(p: dict[str, Any]) -> tuple:
     """Table order: model, concurrency, length, then dense, top-p, keep ratios high to low."""
     mode = p.get("mode", "")
-    rank = 0 if mode == "dense" else 1 if mode.startswith("topp") else 2
+    rank = {"dense": 0, "dense_compiled": 1}.get(mode, 2 if mode.startswith("topp") else 3)
     ratio = -float(mode[4:]) if mode.startswith("keep") else 0.0
     return (p["model"], p["concurrency"], p["length"], rank, ratio)
 
@@ -806,12 +909,42 @@ def markdown_table(doc: dict[str, Any]) -> str:
             f"{p['ttft_median_s']:.3f} | {sp} | {p['prefill_tok_s']:,.0f} | {gain} | "
             f"{kept_s} | {alive} | {work} |"
         )
+    compiled = compiled_table(doc)
+    if compiled:
+        rows += ["", compiled]
     if doc.get("errors"):
         rows.append("")
         rows.append("Errors:")
         for e in doc["errors"]:
             rows.append(f"- {e['where']}: {e['error']}")
     return "\n".join(rows) + "\n"
+
+
+def compiled_table(doc: dict[str, Any]) -> str:
+    """TTFT speedup of every mode against plain compiled vLLM, where it was measured."""
+    base = {
+        (p["model"], p["length"], p["concurrency"]): p["ttft_median_s"]
+        for p in doc["points"]
+        if p.get("mode") == "dense_compiled"
+    }
+    if not base:
+        return ""
+    rows = [
+        "TTFT speedup against plain vLLM with its defaults (compiled, CUDA graphs, plugin off):",
+        "",
+        "| model | length | conc | compiled dense TTFT (s) | mode | TTFT (s) "
+        "| speedup vs compiled |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in sorted((p for p in doc["points"] if "mode" in p), key=_point_order):
+        key = (p["model"], p["length"], p["concurrency"])
+        if key not in base or p["mode"] == "dense_compiled":
+            continue
+        rows.append(
+            f"| {p['model']} | {_fmt_len(p['length'])} | {p['concurrency']} | {base[key]:.3f} | "
+            f"{p['mode']} | {p['ttft_median_s']:.3f} | {base[key] / p['ttft_median_s']:.2f}x |"
+        )
+    return "\n".join(rows)
 
 
 def make_plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -830,7 +963,11 @@ def make_plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    pts = [p for p in doc["points"] if "mode" in p and p["mode"] != "dense" and not p.get("flag")]
+    pts = [
+        p
+        for p in doc["points"]
+        if "mode" in p and not p["mode"].startswith("dense") and not p.get("flag")
+    ]
     gpu = doc.get("env", {}).get("gpu", "").split(",")[0]
     for model in sorted({p["model"] for p in pts}):
         mp = [p for p in pts if p["model"] == model]
@@ -973,10 +1110,14 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="comma list of MODEL:CONCxLEN globs not to run, e.g. '*:16x128K,gemma3:4x*'",
     )
-    p.add_argument("--profile-modes", default="dense,keep0.3")
     p.add_argument(
-        "--profile-trace", action="store_true", help="also write a gzipped chrome trace"
+        "--compiled-baseline",
+        action="store_true",
+        help="after each model's sweep, time dense plain vLLM with its defaults (plugin "
+        "off, torch.compile + CUDA graphs) on the same prompts",
     )
+    p.add_argument("--profile-modes", default="dense,keep0.3")
+    p.add_argument("--profile-trace", action="store_true", help="also write a gzipped chrome trace")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--model-root", default="/tmp/uniprefill_bench_models")
