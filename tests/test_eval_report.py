@@ -11,7 +11,12 @@ from uniprefill.cli import main
 from uniprefill.eval.report import bootstrap_ci, format_summary, load_samples, summarize
 
 
-def _write(path: Path, rows: list[tuple[str, int, float, float]], dense_only: bool = False) -> Path:
+def _write(
+    path: Path,
+    rows: list[tuple[str, int, float, float]],
+    dense_only: bool = False,
+    config: dict | None = None,
+) -> Path:
     samples = [
         {
             "task": task,
@@ -27,6 +32,8 @@ def _write(path: Path, rows: list[tuple[str, int, float, float]], dense_only: bo
         for task, length, d, u in rows
     ]
     doc = {"model": "models/m1", "dense": {}, "samples": samples}
+    if config is not None:
+        doc["uniprefill_config"] = config
     if not dense_only:
         doc["uniprefill"] = {}
     path.write_text(json.dumps(doc))
@@ -36,8 +43,12 @@ def _write(path: Path, rows: list[tuple[str, int, float, float]], dense_only: bo
 def test_paired_summary(tmp_path: Path) -> None:
     f = _write(
         tmp_path / "a.json",
-        [("niah", 4096, 1.0, 1.0), ("niah", 4096, 0.0, 1.0), ("vt", 4096, 1.0, 0.5),
-         ("niah", 8192, 0.5, 0.5)],
+        [
+            ("niah", 4096, 1.0, 1.0),
+            ("niah", 4096, 0.0, 1.0),
+            ("vt", 4096, 1.0, 0.5),
+            ("niah", 8192, 0.5, 0.5),
+        ],
     )
     samples = load_samples([f])
     assert len(samples) == 4 and samples[0].model == "m1"
@@ -74,3 +85,26 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "| niah | 1 |" in out and "| m1 | 2 |" in out
     with pytest.raises(SystemExit, match="--by takes"):
         main(["report", str(f), "--by", "prompt"])
+
+
+def test_runs_with_different_configs_stay_apart(tmp_path: Path) -> None:
+    a = _write(tmp_path / "a.json", [("niah", 4096, 1.0, 0.0)], config={"top_p": 0.99})
+    b = _write(
+        tmp_path / "b.json",
+        [("niah", 4096, 1.0, 1.0)],
+        config={"top_p": 0.99, "drop_layers": [14, 22]},
+    )
+    c = _write(tmp_path / "c.json", [("niah", 4096, 1.0, 1.0)])
+    rows = summarize(load_samples([a, b, c]), ("model", "config"))
+    assert [r.key[1] for r in rows] == ["defaults", "drop_layers=14,22 top_p=0.99", "top_p=0.99"]
+    assert [r.diff for r in rows] == [0.0, 0.0, -100.0]
+
+
+def test_cli_overall_table_splits_configs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = _write(tmp_path / "a.json", [("niah", 4096, 1.0, 0.0)], config={"top_p": 0.99})
+    b = _write(tmp_path / "b.json", [("niah", 4096, 1.0, 1.0)], config={"top_p": 0.999})
+    assert main(["report", str(a), str(b), "--by", "task"]) == 0
+    out = capsys.readouterr().out
+    assert "| m1 | top_p=0.99 | 1 |" in out and "| m1 | top_p=0.999 | 1 |" in out

@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--by",
         default="model,length",
-        help="comma-separated grouping from model, task, length (default: model,length)",
+        help="comma-separated grouping from model, config, task, length (default: model,length)",
     )
     rep.add_argument("--plot", type=Path, help="also write accuracy vs length (PNG, matplotlib)")
 
@@ -133,14 +133,16 @@ def _report(args: argparse.Namespace) -> int:
     from uniprefill.eval.report import format_summary, load_samples, plot_by_length, summarize
 
     by = [f.strip() for f in args.by.split(",") if f.strip()]
-    bad = [f for f in by if f not in ("model", "task", "length")]
+    bad = [f for f in by if f not in ("model", "config", "task", "length")]
     if bad or not by:
-        raise SystemExit(f"--by takes model, task and/or length, got {args.by!r}")
+        raise SystemExit(f"--by takes model, config, task and/or length, got {args.by!r}")
     samples = load_samples(args.files)
     print(format_summary(summarize(samples, by), by))
-    if set(by) != {"model"}:
+    # The overall table keeps runs with different UniPrefill settings apart.
+    overall = ["model", "config"] if len({s.config for s in samples}) > 1 else ["model"]
+    if by != overall:
         print()
-        print(format_summary(summarize(samples, ["model"]), ["model"]))
+        print(format_summary(summarize(samples, overall), overall))
     if args.plot:
         print(f"wrote {plot_by_length(samples, args.plot)}")
     return 0

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+SMOLLM2_135M_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 def join_parts(parts: Sequence[Path], out: Path, sha256: str | None = None) -> Path:

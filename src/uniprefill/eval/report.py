@@ -20,6 +20,7 @@ import numpy as np
 @dataclass(frozen=True)
 class PairedSample:
     model: str
+    config: str  # the UniPrefill settings of the run, e.g. "top_p=0.99 drop_layers=14,22"
     task: str
     length: int
     dense: float  # share of expected answers found, 0..1
@@ -53,10 +54,12 @@ def load_samples(paths: Iterable[Path]) -> list[PairedSample]:
         if "uniprefill" not in doc or "dense" not in doc:
             raise ValueError(f"{path}: needs both a dense and a UniPrefill run (no --dense-only)")
         model = Path(str(doc.get("model", path))).name
+        config = config_label(doc.get("uniprefill_config") or {})
         for s in doc["samples"]:
             out.append(
                 PairedSample(
                     model=model,
+                    config=config,
                     task=s["task"],
                     length=int(s["target_len"]),
                     dense=float(s["dense_score"]),
@@ -67,6 +70,17 @@ def load_samples(paths: Iterable[Path]) -> list[PairedSample]:
                 )
             )
     return out
+
+
+def config_label(config: dict[str, Any]) -> str:
+    """A short, stable label of a UniPrefill config ("defaults" when nothing was set)."""
+    parts = []
+    for key in sorted(config):
+        value = config[key]
+        if isinstance(value, (list, tuple)):
+            value = ",".join(str(v) for v in value)
+        parts.append(f"{key}={value}")
+    return " ".join(parts) or "defaults"
 
 
 def bootstrap_ci(
@@ -144,18 +158,19 @@ def format_summary(rows: Sequence[GroupSummary], by: Sequence[str]) -> str:
 
 
 def plot_by_length(samples: Sequence[PairedSample], path: Path) -> Path:
-    """Accuracy vs prompt length, dense and UniPrefill, one panel per model (needs matplotlib)."""
+    """Accuracy vs prompt length, dense and UniPrefill, one panel per model and UniPrefill
+    config (needs matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = summarize(samples, ("model", "length"))
-    models = sorted({r.key[0] for r in rows})
-    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 3.8), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
-        mine = [r for r in rows if r.key[0] == model]
-        xs = [r.key[1] for r in mine]
+    rows = summarize(samples, ("model", "config", "length"))
+    panels = sorted({r.key[:2] for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
+    for ax, (model, config) in zip(axes[0], panels, strict=True):
+        mine = [r for r in rows if r.key[:2] == (model, config)]
+        xs = [r.key[2] for r in mine]
         ax.plot(xs, [r.dense for r in mine], "o-", label="dense")
         ax.errorbar(
             xs,
@@ -169,7 +184,7 @@ def plot_by_length(samples: Sequence[PairedSample], path: Path) -> Path:
             if r.kept_share is not None:
                 ax.annotate(
                     f"kept {r.kept_share:.2f}",
-                    (r.key[1], r.uniprefill),
+                    (r.key[2], r.uniprefill),
                     fontsize=7,
                     textcoords="offset points",
                     xytext=(4, -12),
@@ -179,7 +194,7 @@ def plot_by_length(samples: Sequence[PairedSample], path: Path) -> Path:
         ax.set_xticklabels([f"{x // 1024}K" if x % 1024 == 0 else str(x) for x in xs])
         ax.set_xlabel("prompt length (tokens)")
         ax.set_ylabel("RULER-style score (mean over tasks and samples)")
-        ax.set_title(model, fontsize=9)
+        ax.set_title(f"{model}, UniPrefill {config}", fontsize=9)
         ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
