@@ -520,7 +520,7 @@ class Sweep:
         startup = time.time() - t0
         log(f"engine {name} up in {startup:.1f} s")
         if compiled:
-            self.doc["models"][name]["compiled_engine"] = {
+            self.doc["models"].setdefault(name, {})["compiled_engine"] = {
                 "engine_kwargs": dict(kwargs),
                 "startup_s": startup,
             }
@@ -546,6 +546,18 @@ class Sweep:
         mdir = build_model_dir(name, root, max(a.lengths) + 64, a.dtype)
         num_layers = int(hf_config(name, 0).num_hidden_layers)
         wait_gpu_free()
+        if a.compiled_only:
+            sp = vllm.SamplingParams(
+                temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False
+            )
+            points = [
+                (length, conc)
+                for conc in a.concurrency
+                for length in a.lengths
+                if not skipped(a.skip_points, name, conc, length)
+            ]
+            self.run_compiled_baseline(name, mdir, sp, points)
+            return
         try:
             llm = self.start_engine(name, mdir)
         except Exception as e:  # noqa: BLE001
@@ -599,15 +611,18 @@ class Sweep:
         if a.compiled_baseline:
             self.run_compiled_baseline(name, mdir, sp)
 
-    def run_compiled_baseline(self, name: str, mdir: Path, sp: Any) -> None:
-        """Dense TTFT of plain compiled vLLM at every point the eager sweep measured.
+    def run_compiled_baseline(
+        self, name: str, mdir: Path, sp: Any, points: list[tuple[int, int]] | None = None
+    ) -> None:
+        """Dense TTFT of plain compiled vLLM at every point the eager sweep measured
+        (or at ``points``, for ``--compiled-only``).
 
         Same prompts (same seeds) as the sweep. The eager engine is what UniPrefill needs
         (docs/usage.md), so its dense mode is the like-for-like reference; this one says
         what a user running vLLM's defaults gives up or gains by switching.
         """
         a = self.args
-        done = sorted(
+        done = points or sorted(
             {
                 (p["length"], p["concurrency"])
                 for p in self.doc["points"]
@@ -634,7 +649,7 @@ class Sweep:
             for length, conc in done:
                 eager = self.dense_point(name, length, conc)
                 left = a.deadline_s - self.elapsed()
-                if eager["wall_median_s"] * a.repeats * 1.2 > left:
+                if eager and eager["wall_median_s"] * a.repeats * 1.2 > left:
                     log(f"{name}: compiled skip L={length} c={conc}: {left:.0f} s left")
                     continue
                 walls, ttfts = [], []
@@ -658,17 +673,15 @@ class Sweep:
                         "wall_all_s": walls,
                         "prefill_tok_s": conc * length / wall,
                         "ttft_source": r["ttft_source"],
-                        # relative to the eager dense of the same prompts
-                        "speedup_ttft": eager["ttft_median_s"] / ttft,
-                        "throughput_gain": eager["wall_median_s"] / wall - 1.0,
+                        # relative to the eager dense of the same prompts (same run)
+                        "speedup_ttft": eager["ttft_median_s"] / ttft if eager else None,
+                        "throughput_gain": eager["wall_median_s"] / wall - 1.0 if eager else None,
                         "stats": None,
                         "kept": None,
                     }
                 )
-                log(
-                    f"{name} L={length} c={conc} dense_compiled ttft {ttft:.3f} s "
-                    f"(eager dense {eager['ttft_median_s']:.3f} s)"
-                )
+                ref = f" (eager dense {eager['ttft_median_s']:.3f} s)" if eager else ""
+                log(f"{name} L={length} c={conc} dense_compiled ttft {ttft:.3f} s{ref}")
                 self.save()
         except Exception as e:  # noqa: BLE001
             self.error(f"{name}: compiled baseline", e)
@@ -676,14 +689,17 @@ class Sweep:
             close_llm(llm)
             wait_gpu_free()
 
-    def dense_point(self, name: str, length: int, conc: int) -> dict[str, Any]:
+    def dense_point(self, name: str, length: int, conc: int) -> dict[str, Any] | None:
         return next(
-            p
-            for p in self.doc["points"]
-            if p.get("model") == name
-            and p.get("mode") == "dense"
-            and p["length"] == length
-            and p["concurrency"] == conc
+            (
+                p
+                for p in self.doc["points"]
+                if p.get("model") == name
+                and p.get("mode") == "dense"
+                and p["length"] == length
+                and p["concurrency"] == conc
+            ),
+            None,
         )
 
     def profile(self, llm: Any, sp: Any, name: str, drop_layers: list[int]) -> None:
@@ -947,7 +963,7 @@ def compiled_table(doc: dict[str, Any]) -> str:
             f"{p['mode']} | {p['ttft_median_s']:.3f} | {ttft / p['ttft_median_s']:.2f}x | "
             f"{wall / p['wall_median_s']:.2f}x |"
         )
-    return "\n".join(rows)
+    return "\n".join(rows) if len(rows) > 4 else ""
 
 
 def make_plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -1118,6 +1134,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="after each model's sweep, time dense plain vLLM with its defaults (plugin "
         "off, torch.compile + CUDA graphs) on the same prompts",
+    )
+    p.add_argument(
+        "--compiled-only",
+        action="store_true",
+        help="only the compiled plain-vLLM dense engine (for models whose two engines do "
+        "not fit one device call); compare with an eager run's JSON via --plot-from",
     )
     p.add_argument("--profile-modes", default="dense,keep0.3")
     p.add_argument("--profile-trace", action="store_true", help="also write a gzipped chrome trace")
