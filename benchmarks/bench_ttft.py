@@ -689,18 +689,19 @@ class Sweep:
             close_llm(llm)
             wait_gpu_free()
 
+    def points_at(self, name: str, length: int, conc: int) -> list[dict[str, Any]]:
+        """The measured (not skipped) points of one model, length and concurrency."""
+        return [
+            p
+            for p in self.doc["points"]
+            if p.get("model") == name
+            and p["length"] == length
+            and p["concurrency"] == conc
+            and "mode" in p
+        ]
+
     def dense_point(self, name: str, length: int, conc: int) -> dict[str, Any] | None:
-        return next(
-            (
-                p
-                for p in self.doc["points"]
-                if p.get("model") == name
-                and p.get("mode") == "dense"
-                and p["length"] == length
-                and p["concurrency"] == conc
-            ),
-            None,
-        )
+        return next((p for p in self.points_at(name, length, conc) if p["mode"] == "dense"), None)
 
     def profile(self, llm: Any, sp: Any, name: str, drop_layers: list[int]) -> None:
         """One profiled prefill per mode (concurrency 1) after two unprofiled ones.
@@ -845,16 +846,8 @@ class Sweep:
         log(self.point_line(name, length, conc))
 
     def point_line(self, name: str, length: int, conc: int) -> str:
-        pts = [
-            p
-            for p in self.doc["points"]
-            if p.get("model") == name
-            and p["length"] == length
-            and p["concurrency"] == conc
-            and "mode" in p
-        ]
         parts = []
-        for p in pts:
+        for p in self.points_at(name, length, conc):
             s = f"{p['mode']}: {p['ttft_median_s']:.3f}s"
             if p["speedup_ttft"] and p["mode"] != "dense":
                 s += f" x{p['speedup_ttft']:.2f}"
@@ -944,26 +937,27 @@ def compiled_table(doc: dict[str, Any]) -> str:
         for p in doc["points"]
         if p.get("mode") == "dense_compiled"
     }
-    if not base:
+    body = []
+    for p in sorted((p for p in doc["points"] if "mode" in p), key=_point_order):
+        key = (p["model"], p["length"], p["concurrency"])
+        if key not in base or p["mode"] == "dense_compiled":
+            continue
+        ttft, wall = base[key]
+        body.append(
+            f"| {p['model']} | {_fmt_len(p['length'])} | {p['concurrency']} | {ttft:.3f} | "
+            f"{p['mode']} | {p['ttft_median_s']:.3f} | {ttft / p['ttft_median_s']:.2f}x | "
+            f"{wall / p['wall_median_s']:.2f}x |"
+        )
+    if not body:  # only compiled points (a --compiled-only file on its own)
         return ""
-    rows = [
+    head = [
         "Against plain vLLM with its defaults (compiled, CUDA graphs, plugin off):",
         "",
         "| model | length | conc | compiled dense TTFT (s) | mode | TTFT (s) "
         "| TTFT speedup vs compiled | throughput vs compiled |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for p in sorted((p for p in doc["points"] if "mode" in p), key=_point_order):
-        key = (p["model"], p["length"], p["concurrency"])
-        if key not in base or p["mode"] == "dense_compiled":
-            continue
-        ttft, wall = base[key]
-        rows.append(
-            f"| {p['model']} | {_fmt_len(p['length'])} | {p['concurrency']} | {ttft:.3f} | "
-            f"{p['mode']} | {p['ttft_median_s']:.3f} | {ttft / p['ttft_median_s']:.2f}x | "
-            f"{wall / p['wall_median_s']:.2f}x |"
-        )
-    return "\n".join(rows) if len(rows) > 4 else ""
+    return "\n".join(head + body)
 
 
 def make_plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:

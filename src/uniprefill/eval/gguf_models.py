@@ -24,6 +24,17 @@ GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c08
 SMOLLM2_135M_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
+def check_sha256(path: Path, sha256: str) -> Path:
+    """Raise ``ValueError`` unless the file's sha256 is ``sha256``; return ``path``."""
+    h = hashlib.sha256()
+    with open(path, "rb") as src:
+        while block := src.read(1 << 20):
+            h.update(block)
+    if h.hexdigest() != sha256:
+        raise ValueError(f"{path}: sha256 {h.hexdigest()} != expected {sha256}")
+    return Path(path)
+
+
 def join_parts(parts: Sequence[Path], out: Path, sha256: str | None = None) -> Path:
     """Concatenate GGUF chunk files in order into ``out``; check ``sha256`` if given."""
     h = hashlib.sha256()
