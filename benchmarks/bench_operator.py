@@ -72,8 +72,8 @@ def check_case(q, k, cu, kw: dict) -> dict:
         "mask_equal": bool(torch.equal(fused.keep, ref.keep)),
         "gather_equal": bool(torch.equal(fused.gather_idx, ref.gather_idx)),
         "repeat_bitwise_equal": bool(
-            torch.equal(again.block_scores, fused.block_scores) and torch.equal(again.keep,
-                                                                                fused.keep)
+            torch.equal(again.block_scores, fused.block_scores)
+            and torch.equal(again.keep, fused.keep)
         ),
         "block_score_max_rel_err": rel,
         "kept_fraction": fused.num_kept / q.shape[0],
@@ -85,8 +85,13 @@ def time_case(q, k, cu, kw: dict) -> dict:
     scale = 1.0 / math.sqrt(D)
 
     def scoring():  # layout + the three scoring kernels + kv-head sum
-        lay = ts._layout(cu, None, min_len=kw["sink"] + kw["last_q"], block_n=block_n,
-                         block_size=kw["block_size"])
+        lay = ts._layout(
+            cu,
+            None,
+            min_len=kw["sink"] + kw["last_q"],
+            block_n=block_n,
+            block_size=kw["block_size"],
+        )
         ts._score(q, k, lay, last_q=kw["last_q"], scale=scale, seg=kw["block_size"]).sum(0)
 
     return {
@@ -101,8 +106,12 @@ def tune(q, k, cu, kw: dict) -> list[dict]:
     for bm, bn, w in [(64, 128, 4), (64, 64, 4), (128, 64, 8), (128, 128, 8), (64, 128, 8)]:
         ts.CONFIG_OVERRIDE.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=w)
         try:
-            ms = bench(lambda: ts.token_scores_triton(q, k, cu, last_q=kw["last_q"],
-                                                      scale=D**-0.5, sink=kw["sink"]), 200)
+            ms = bench(
+                lambda: ts.token_scores_triton(
+                    q, k, cu, last_q=kw["last_q"], scale=D**-0.5, sink=kw["sink"]
+                ),
+                200,
+            )
         except Exception as exc:  # noqa: BLE001 - report configs that fail to compile
             ms = f"error: {type(exc).__name__}"
         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "scoring_ms": ms})
@@ -148,17 +157,20 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\n{result['device']}, torch {torch.__version__}, triton {triton.__version__}")
-    print("| tokens | batch | mask eq | score rel err | kept | select ms | scoring ms "
-          "| dense attn ms | select/dense |")
+    print(
+        "| tokens | batch | mask eq | score rel err | kept | select ms | scoring ms "
+        "| dense attn ms | select/dense |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['total']} | {r['batch']} | {r['mask_equal'] and r['gather_equal']} "
-              f"| {r['block_score_max_rel_err']:.1e} | {r['kept_fraction']:.3f} "
-              f"| {r['select_ms']:.3f} | {r['scoring_ms']:.3f} | {r['dense_attn_ms']:.2f} "
-              f"| {100 * r['select_over_dense']:.1f}% |")
+        print(
+            f"| {r['total']} | {r['batch']} | {r['mask_equal'] and r['gather_equal']} "
+            f"| {r['block_score_max_rel_err']:.1e} | {r['kept_fraction']:.3f} "
+            f"| {r['select_ms']:.3f} | {r['scoring_ms']:.3f} | {r['dense_attn_ms']:.2f} "
+            f"| {100 * r['select_over_dense']:.1f}% |"
+        )
     for name, cfgs in tuning.items():
-        print(name, [(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["scoring_ms"])
-                     for c in cfgs])
+        print(name, [(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["scoring_ms"]) for c in cfgs])
 
 
 if __name__ == "__main__":

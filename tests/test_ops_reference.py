@@ -128,8 +128,9 @@ def test_reference_matches_brute_force(case: int, top_p: float) -> None:
     q, k, cu = make_batch(lens, hq, hkv, d, seed=case)
     scale = 1.0 / math.sqrt(d)
     brute = brute_block_scores(q, k, cu, bs, lq, scale)
-    sel = select_tokens(q, k, cu, top_p=top_p, block_size=bs, last_q=lq, sink=sink,
-                        impl="reference")
+    sel = select_tokens(
+        q, k, cu, top_p=top_p, block_size=bs, last_q=lq, sink=sink, impl="reference"
+    )
     check_consistent(sel, cu)
     # Scores: droppable rows are scored, others are zero.
     ref = flat(brute, cu, bs)
@@ -139,9 +140,7 @@ def test_reference_matches_brute_force(case: int, top_p: float) -> None:
             ref[off[b] : off[b + 1]] = 0
     torch.testing.assert_close(sel.block_scores.double(), ref, rtol=1e-5, atol=1e-5)
     # Mask: the loop-based selection on the operator's own scores must agree exactly ...
-    own = [
-        sel.block_scores[off[b] : off[b + 1]].double().tolist() for b in range(len(lens))
-    ]
+    own = [sel.block_scores[off[b] : off[b + 1]].double().tolist() for b in range(len(lens))]
     kw = dict(top_p=top_p, block_size=bs, last_q=lq, sink=sink)
     assert sel.keep.tolist() == brute_keep(own, lens, **kw)
     # ... and on these (tie-free) random inputs so must the float64 brute force.
@@ -196,17 +195,23 @@ def test_keep_ratio_count(ratio: float) -> None:
     lens = [200, 131, 1, 20]
     bs, lq, sink = 8, 4, 4
     q, k, cu = make_batch(lens, 4, 2, 8, seed=6)
-    sel = select_tokens(q, k, cu, top_p=0.9, block_size=bs, last_q=lq, sink=sink,
-                        keep_ratio=ratio)
+    sel = select_tokens(q, k, cu, top_p=0.9, block_size=bs, last_q=lq, sink=sink, keep_ratio=ratio)
     check_consistent(sel, cu)
     off = block_offsets(cu, bs).tolist()
     own = [sel.block_scores[off[b] : off[b + 1]].double().tolist() for b in range(len(lens))]
-    assert sel.keep.tolist() == brute_keep(own, lens, top_p=0.9, block_size=bs, last_q=lq,
-                                           sink=sink, keep_ratio=ratio)
+    assert sel.keep.tolist() == brute_keep(
+        own, lens, top_p=0.9, block_size=bs, last_q=lq, sink=sink, keep_ratio=ratio
+    )
     # Block-level count: exactly ceil(ratio * nb) score-selected blocks per droppable row.
     blk = select_from_block_scores(
-        sel.block_scores, cu, num_tokens=int(cu[-1]), top_p=0.9, block_size=bs,
-        last_q=0, sink=0, keep_ratio=ratio,
+        sel.block_scores,
+        cu,
+        num_tokens=int(cu[-1]),
+        top_p=0.9,
+        block_size=bs,
+        last_q=0,
+        sink=0,
+        keep_ratio=ratio,
     )
     bounds = cu.tolist()
     for b, n in enumerate(lens[:2]):
@@ -225,8 +230,9 @@ def test_deterministic_and_tie_order() -> None:
     cu2 = torch.tensor([0, 80], dtype=torch.int32)
     scores = torch.ones(80 // 8 + 1)
     scores[-1] = 0  # tail slot
-    sel = select_from_block_scores(scores, cu2, num_tokens=80, top_p=0.25, block_size=8,
-                                   last_q=0, sink=0)
+    sel = select_from_block_scores(
+        scores, cu2, num_tokens=80, top_p=0.25, block_size=8, last_q=0, sink=0
+    )
     # before-mass 0, .1, .2 <= .25 -> first three blocks kept.
     assert sel.keep.tolist() == [True] * 24 + [False] * 56
 
@@ -237,8 +243,9 @@ def test_kept_mass_at_least_top_p(top_p: float) -> None:
     bs = 8
     q, k, cu = make_batch(lens, 4, 2, 8, seed=8)
     scores, off = block_scores_reference(q, k, cu, block_size=bs, last_q=6, scale=0.35)
-    sel = select_from_block_scores(scores, cu, num_tokens=650, top_p=top_p, block_size=bs,
-                                   last_q=0, sink=0)
+    sel = select_from_block_scores(
+        scores, cu, num_tokens=650, top_p=top_p, block_size=bs, last_q=0, sink=0
+    )
     bounds, off = cu.tolist(), off.tolist()
     for b in range(len(lens)):
         sc = scores[off[b] : off[b + 1]].double()
@@ -299,13 +306,18 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize(("name", "override"), BAD, ids=[f"{n}-{i}" for i, (n, _) in
-                                                         enumerate(BAD)])
+@pytest.mark.parametrize(
+    ("name", "override"), BAD, ids=[f"{n}-{i}" for i, (n, _) in enumerate(BAD)]
+)
 def test_invalid_arguments(name: str, override: dict) -> None:
     args = dict(q=_Q, k=_K, cu_seqlens=_CU)
     for key in ("q", "k", "cu_seqlens"):
         if key in override:
             args[key] = override.pop(key)
     with pytest.raises(ValueError, match=name):
-        select_tokens(args["q"], args["k"], args["cu_seqlens"],
-                      **{**dict(top_p=0.9, impl="reference"), **override})
+        select_tokens(
+            args["q"],
+            args["k"],
+            args["cu_seqlens"],
+            **{**dict(top_p=0.9, impl="reference"), **override},
+        )

@@ -31,8 +31,9 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, port: int, results) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
     try:
         group = dist.new_group(ranks=list(range(WORLD)), backend="gloo")
         q, k, cu = _batch()

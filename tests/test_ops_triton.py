@@ -25,7 +25,8 @@ DEVICE = "cuda" if NATIVE else "cpu"
 
 needs_kernel = pytest.mark.skipif(
     not RUN_HERE,
-    reason="triton not importable" if not HAVE_TRITON
+    reason="triton not importable"
+    if not HAVE_TRITON
     else "no CUDA: run in a TRITON_INTERPRET=1 subprocess by test_interpreter_subprocess",
 )
 
@@ -36,7 +37,10 @@ def test_interpreter_subprocess() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
@@ -70,8 +74,9 @@ def test_token_scores_match_reference(case: int) -> None:
     q, k, cu = make_batch(lens, hq, hkv, d, seed=case)
     scale = 1.0 / math.sqrt(d)
     got = token_scores_triton(q, k, cu, last_q=lq, scale=scale, sink=4)
-    ref = token_scores_reference(q, k, cu, last_q=lq, scale=scale,
-                                 scored=droppable_rows(cu, lq, 4, None))
+    ref = token_scores_reference(
+        q, k, cu, last_q=lq, scale=scale, scored=droppable_rows(cu, lq, 4, None)
+    )
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
@@ -85,8 +90,9 @@ def test_half_inputs_match_reference(dtype: torch.dtype) -> None:
         pytest.skip("Triton's CPU interpreter gets bf16 tl.dot wrong (seen with triton 3.9)")
     q, k, cu = make_batch([200, 1, 60], 4, 2, 64, seed=3, dtype=dtype)
     got = token_scores_triton(q, k, cu, last_q=16, scale=0.125, sink=4)
-    ref = token_scores_reference(q, k, cu, last_q=16, scale=0.125,
-                                 scored=droppable_rows(cu, 16, 4, None))
+    ref = token_scores_reference(
+        q, k, cu, last_q=16, scale=0.125, scored=droppable_rows(cu, 16, 4, None)
+    )
     torch.testing.assert_close(got, ref, rtol=2e-3, atol=1e-4)
 
 
@@ -96,8 +102,7 @@ def test_half_inputs_match_reference(dtype: torch.dtype) -> None:
     [
         dict(top_p=0.5, block_size=8, last_q=8, sink=4),
         dict(top_p=0.9, block_size=16, last_q=16, sink=0, keep_ratio=0.3),
-        dict(top_p=0.7, block_size=4, last_q=8, sink=8,
-             allow_drop=[True, False, True, True]),
+        dict(top_p=0.7, block_size=4, last_q=8, sink=8, allow_drop=[True, False, True, True]),
         dict(top_p=0.8, block_size=256, last_q=8, sink=4),  # block > key tile: torch path
         dict(top_p=0.6, block_size=1, last_q=4, sink=2),
     ],
@@ -165,8 +170,9 @@ def test_kernel_selection_equals_torch_selection(mode: str, monkeypatch) -> None
 
     monkeypatch.setattr(ts, "_score", fake_score)
     for top_p in (0.3, 0.9):
-        kw = dict(top_p=top_p, block_size=bs, last_q=lq, sink=sink, allow_drop=allow,
-                  keep_ratio=ratio)
+        kw = dict(
+            top_p=top_p, block_size=bs, last_q=lq, sink=sink, allow_drop=allow, keep_ratio=ratio
+        )
         got = ts.select_tokens_triton(q, k, cu, scale=1.0, score_allreduce=None, **kw)
         ref = select_from_block_scores(scores, cu, num_tokens=q.shape[0], **kw)
         assert torch.equal(got.keep, ref.keep)

@@ -298,4 +298,3 @@ def select_from_block_scores(
     keep = blk_keep[boff[req] + pos // block_size]
     keep = keep | (pos < sink) | (pos >= length - last_q) | ~drop_ok[req]
     return _finish(keep, cu_seqlens, block_scores)
-

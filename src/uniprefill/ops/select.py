@@ -185,8 +185,16 @@ def select_tokens(
         from uniprefill.ops.triton_select import select_tokens_triton
 
         return select_tokens_triton(
-            q, k, cu_seqlens, top_p=top_p, block_size=block_size, last_q=last_q, sink=sink,
-            allow_drop=allow_drop, keep_ratio=keep_ratio, scale=scale,
+            q,
+            k,
+            cu_seqlens,
+            top_p=top_p,
+            block_size=block_size,
+            last_q=last_q,
+            sink=sink,
+            allow_drop=allow_drop,
+            keep_ratio=keep_ratio,
+            scale=scale,
             score_allreduce=score_allreduce,
         )
     scored = droppable_rows(cu_seqlens, last_q, sink, allow_drop)

@@ -50,11 +50,25 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _qk_tile(
-    q_ptr, k_tile, start, n, m, j, g, h, c,
-    stride_qt, stride_qh, stride_qd,
+    q_ptr,
+    k_tile,
+    start,
+    n,
+    m,
+    j,
+    g,
+    h,
+    c,
+    stride_qt,
+    stride_qh,
+    stride_qd,
     qk_scale,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, HEAD_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """Scaled (log2-domain) causal logits of BLOCK_M scoring queries vs one key tile."""
     offs_m = c + tl.arange(0, BLOCK_M)  # index among the request's last m queries
@@ -64,7 +78,9 @@ def _qk_tile(
     qpos = n - m + offs_m
     rows = (start + qpos).to(tl.int64)
     q_ptrs = (
-        q_ptr + rows[:, None] * stride_qt + (g * GROUP + h) * stride_qh
+        q_ptr
+        + rows[:, None] * stride_qt
+        + (g * GROUP + h) * stride_qh
         + offs_d[None, :] * stride_qd
     )
     qv = tl.load(q_ptrs, mask=qmask[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
@@ -75,8 +91,17 @@ def _qk_tile(
 
 @triton.jit
 def _load_k_tile(
-    k_ptr, start, n, j, g, stride_kt, stride_kh, stride_kd,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_D: tl.constexpr,
+    k_ptr,
+    start,
+    n,
+    j,
+    g,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_D: tl.constexpr,
 ):
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -102,12 +127,29 @@ def _find_request(tile_cu_ptr, tile, num_req):
 
 @triton.jit(do_not_specialize=["num_req"])
 def _stats_kernel(
-    q_ptr, k_ptr, cu_ptr, tile_cu_ptr, mpart_ptr, lpart_ptr,
-    num_req, hq, qk_scale,
-    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-    LAST_Q: tl.constexpr, LQ_PAD: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    cu_ptr,
+    tile_cu_ptr,
+    mpart_ptr,
+    lpart_ptr,
+    num_req,
+    hq,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    LAST_Q: tl.constexpr,
+    LQ_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -118,14 +160,32 @@ def _stats_kernel(
     start = tl.load(cu_ptr + b).to(tl.int64)
     n = (tl.load(cu_ptr + b + 1) - start).to(tl.int32)
     m = tl.minimum(n, LAST_Q)
-    k_tile = _load_k_tile(k_ptr, start, n, j, g, stride_kt, stride_kh, stride_kd,
-                          BLOCK_N, BLOCK_D, HEAD_D)
+    k_tile = _load_k_tile(
+        k_ptr, start, n, j, g, stride_kt, stride_kh, stride_kd, BLOCK_N, BLOCK_D, HEAD_D
+    )
     for h in tl.static_range(GROUP):
         base = (tile.to(tl.int64) * hq + g * GROUP + h) * LQ_PAD
         for c in tl.static_range(0, LQ_PAD, BLOCK_M):
             s, valid, offs_m = _qk_tile(
-                q_ptr, k_tile, start, n, m, j, g, h, c, stride_qt, stride_qh, stride_qd,
-                qk_scale, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_D, DOT_PREC,
+                q_ptr,
+                k_tile,
+                start,
+                n,
+                m,
+                j,
+                g,
+                h,
+                c,
+                stride_qt,
+                stride_qh,
+                stride_qd,
+                qk_scale,
+                GROUP,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_D,
+                HEAD_D,
+                DOT_PREC,
             )
             mx = tl.max(s, 1)
             p = tl.where(valid, tl.exp2(s - mx[:, None]), 0.0)
@@ -135,8 +195,14 @@ def _stats_kernel(
 
 @triton.jit
 def _combine_kernel(
-    mpart_ptr, lpart_ptr, tile_cu_ptr, mstat_ptr, istat_ptr, hq,
-    LQ_PAD: tl.constexpr, TILES: tl.constexpr,
+    mpart_ptr,
+    lpart_ptr,
+    tile_cu_ptr,
+    mstat_ptr,
+    istat_ptr,
+    hq,
+    LQ_PAD: tl.constexpr,
+    TILES: tl.constexpr,
 ):
     """Fold a request's tile partials, in tile order, into max and 1/sum-exp."""
     b = tl.program_id(0)
@@ -162,12 +228,33 @@ def _combine_kernel(
 
 @triton.jit(do_not_specialize=["num_req", "out_stride"])
 def _score_kernel(
-    q_ptr, k_ptr, cu_ptr, tile_cu_ptr, mstat_ptr, istat_ptr, out_ptr, boff_ptr,
-    num_req, hq, out_stride, qk_scale,
-    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-    LAST_Q: tl.constexpr, LQ_PAD: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_D: tl.constexpr, DOT_PREC: tl.constexpr, SEG: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    cu_ptr,
+    tile_cu_ptr,
+    mstat_ptr,
+    istat_ptr,
+    out_ptr,
+    boff_ptr,
+    num_req,
+    hq,
+    out_stride,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    LAST_Q: tl.constexpr,
+    LQ_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    SEG: tl.constexpr,
 ):
     """Per (tile, kv head): probability mass per key, summed into SEG-token segments.
 
@@ -183,15 +270,33 @@ def _score_kernel(
     start = tl.load(cu_ptr + b).to(tl.int64)
     n = (tl.load(cu_ptr + b + 1) - start).to(tl.int32)
     m = tl.minimum(n, LAST_Q)
-    k_tile = _load_k_tile(k_ptr, start, n, j, g, stride_kt, stride_kh, stride_kd,
-                          BLOCK_N, BLOCK_D, HEAD_D)
+    k_tile = _load_k_tile(
+        k_ptr, start, n, j, g, stride_kt, stride_kh, stride_kd, BLOCK_N, BLOCK_D, HEAD_D
+    )
     acc = tl.zeros([BLOCK_N], tl.float32)
     for h in tl.static_range(GROUP):
         base = (b.to(tl.int64) * hq + g * GROUP + h) * LQ_PAD
         for c in tl.static_range(0, LQ_PAD, BLOCK_M):
             s, valid, offs_m = _qk_tile(
-                q_ptr, k_tile, start, n, m, j, g, h, c, stride_qt, stride_qh, stride_qd,
-                qk_scale, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_D, DOT_PREC,
+                q_ptr,
+                k_tile,
+                start,
+                n,
+                m,
+                j,
+                g,
+                h,
+                c,
+                stride_qt,
+                stride_qh,
+                stride_qd,
+                qk_scale,
+                GROUP,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_D,
+                HEAD_D,
+                DOT_PREC,
             )
             mx = tl.load(mstat_ptr + base + offs_m)
             inv = tl.load(istat_ptr + base + offs_m)
@@ -210,8 +315,16 @@ def _score_kernel(
 
 @triton.jit(do_not_specialize=["num_req", "stride", "min_len"])
 def _layout_kernel(
-    cu_ptr, allow_ptr, lay_ptr, num_req, stride, min_len,
-    HAS_ALLOW: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, CH: tl.constexpr,
+    cu_ptr,
+    allow_ptr,
+    lay_ptr,
+    num_req,
+    stride,
+    min_len,
+    HAS_ALLOW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    G: tl.constexpr,
+    CH: tl.constexpr,
 ):
     """One program: int32 rows of ``lay`` (num_req+1 used, ``stride`` apart):
     0 cu_seqlens, 1 key-tile offsets (droppable rows only), 2 block offsets, 3 droppable."""
@@ -242,8 +355,15 @@ def _layout_kernel(
 
 @triton.jit
 def _select_kernel(
-    score_ptr, boff_ptr, drop_ptr, bkeep_ptr, top_p_bits, ratio_bits,
-    USE_RATIO: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr,
+    score_ptr,
+    boff_ptr,
+    drop_ptr,
+    bkeep_ptr,
+    top_p_bits,
+    ratio_bits,
+    USE_RATIO: tl.constexpr,
+    BI: tl.constexpr,
+    BJ: tl.constexpr,
 ):
     """Per (request, chunk of its blocks): keep flag of each block.
 
@@ -287,8 +407,17 @@ def _select_kernel(
 
 @triton.jit(do_not_specialize=["num_tokens", "num_req", "stride", "sink", "last_q"])
 def _token_kernel(
-    lay_ptr, bkeep_ptr, keep_ptr, num_tokens, num_req, stride, sink, last_q,
-    G: tl.constexpr, BT: tl.constexpr, LOG_B: tl.constexpr,
+    lay_ptr,
+    bkeep_ptr,
+    keep_ptr,
+    num_tokens,
+    num_req,
+    stride,
+    sink,
+    last_q,
+    G: tl.constexpr,
+    BT: tl.constexpr,
+    LOG_B: tl.constexpr,
 ):
     """Token keep mask: kept block, sink, last queries, or non-droppable row."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -373,8 +502,17 @@ def _layout(
     lay = torch.empty(4, stride, dtype=torch.int32, device=cu_seqlens.device)
     has_allow = allow_drop is not None
     _layout_kernel[(1,)](
-        cu_seqlens, allow_drop if has_allow else cu_seqlens, lay, num_req, stride, min_len,
-        HAS_ALLOW=has_allow, BLOCK_N=block_n, G=block_size, CH=1024, num_warps=4,
+        cu_seqlens,
+        allow_drop if has_allow else cu_seqlens,
+        lay,
+        num_req,
+        stride,
+        min_len,
+        HAS_ALLOW=has_allow,
+        BLOCK_N=block_n,
+        G=block_size,
+        CH=1024,
+        num_warps=4,
     )
     return lay[:, : num_req + 1]
 
@@ -403,9 +541,15 @@ def _score(
     part = torch.empty(2, max_tiles, hq, lq_pad, dtype=torch.float32, device=q.device)
     stat = torch.empty(2, num_req, hq, lq_pad, dtype=torch.float32, device=q.device)
     common = dict(
-        LAST_Q=last_q, LQ_PAD=lq_pad, GROUP=hq // hkv, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, HEAD_D=head_dim,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
+        LAST_Q=last_q,
+        LQ_PAD=lq_pad,
+        GROUP=hq // hkv,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        HEAD_D=head_dim,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=warps,
     )
     strides = (*q.stride(), *k.stride())
     qk_scale = scale * LOG2E
@@ -417,8 +561,21 @@ def _score(
         part[0], part[1], tile_cu, stat[0], stat[1], hq, LQ_PAD=lq_pad, TILES=16, num_warps=4
     )
     _score_kernel[grid](
-        q, k, cu32, tile_cu, stat[0], stat[1], out, boff, num_req, hq, slots,
-        qk_scale, *strides, SEG=seg, **common,
+        q,
+        k,
+        cu32,
+        tile_cu,
+        stat[0],
+        stat[1],
+        out,
+        boff,
+        num_req,
+        hq,
+        slots,
+        qk_scale,
+        *strides,
+        SEG=seg,
+        **common,
     )
     return out
 
@@ -458,8 +615,9 @@ def select_tokens_triton(
     num_req = cu_seqlens.numel() - 1
     dev = q.device
     _, block_n, _, _ = _config(q.shape[-1], last_q)
-    lay = _layout(cu_seqlens, allow_drop, min_len=sink + last_q, block_n=block_n,
-                  block_size=block_size)
+    lay = _layout(
+        cu_seqlens, allow_drop, min_len=sink + last_q, block_n=block_n, block_size=block_size
+    )
     if 1 < block_size <= block_n:  # blocks reduced inside the score kernel
         scores = _score(q, k, lay, last_q=last_q, scale=scale, seg=block_size).sum(0)
     else:
@@ -471,15 +629,33 @@ def select_tokens_triton(
     bkeep = torch.empty(nslots, dtype=torch.int8, device=dev)
     bi = 64
     _select_kernel[(triton.cdiv(num_tokens // block_size + 1, bi), num_req)](
-        scores, lay[2], lay[3], bkeep, _f64_bits(top_p), _f64_bits(keep_ratio or 1.0),
-        USE_RATIO=keep_ratio is not None, BI=bi, BJ=128, num_warps=4,
+        scores,
+        lay[2],
+        lay[3],
+        bkeep,
+        _f64_bits(top_p),
+        _f64_bits(keep_ratio or 1.0),
+        USE_RATIO=keep_ratio is not None,
+        BI=bi,
+        BJ=128,
+        num_warps=4,
     )
     keep = torch.empty(num_tokens, dtype=torch.bool, device=dev)
     bt = 1024
     grid_t = (triton.cdiv(num_tokens, bt),)
     _token_kernel[grid_t](
-        lay, bkeep, keep, num_tokens, num_req, lay.stride(0), sink, last_q,
-        G=block_size, BT=bt, LOG_B=_search_steps(num_req), num_warps=4,
+        lay,
+        bkeep,
+        keep,
+        num_tokens,
+        num_req,
+        lay.stride(0),
+        sink,
+        last_q,
+        G=block_size,
+        BT=bt,
+        LOG_B=_search_steps(num_req),
+        num_warps=4,
     )
     csum = torch.zeros(num_tokens + 1, dtype=torch.int32, device=dev)
     torch.cumsum(keep, 0, dtype=torch.int32, out=csum[1:])
