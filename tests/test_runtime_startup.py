@@ -15,7 +15,7 @@ def _runtime(cfg: UniPrefillConfig, calls: list[dict]) -> UniPrefillRuntime:
         calls.append({"num_reqs": cu.numel() - 1, "cu": cu.tolist(), "sel": sel, **kw})
         return sel
 
-    return UniPrefillRuntime(cfg, [1], torch.device("cpu"), select_fn=recording_select)
+    return UniPrefillRuntime(cfg, [1], torch.device("cpu"), 8, select_fn=recording_select)
 
 
 def test_warm_up_covers_each_batch_size_class_and_keeps_decode_rows() -> None:

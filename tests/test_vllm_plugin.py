@@ -265,7 +265,6 @@ def _engine_config(path: Path, uniprefill: Any, **kwargs: Any) -> Any:
         ({"topp": 0.9}, {}, "unknown uniprefill option"),
         ({"drop_layers": [3, 1]}, {}, "drop_layers"),
         ({"drop_layers": [6]}, {}, "drop_layers: layer 6 does not exist"),
-        ({}, {"enforce_eager": False}, "enforce_eager"),
         ({}, {"enable_prefix_caching": True}, "enable_prefix_caching"),
     ],
 )

@@ -158,6 +158,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "report":
+        # UniPrefill runs on vLLM's V2 runner; on a CPU machine without a Triton CPU
+        # backend its bookkeeping kernels run in Triton's interpreter (no-op on GPUs).
+        from uniprefill.cpu_triton import enable
+
+        enable()
     if args.command == "eval":
         return _eval(args)
     if args.command == "report":

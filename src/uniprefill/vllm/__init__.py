@@ -1,1 +1,1 @@
-"""vLLM integration: the plugin entry point, model adapters and the runtime."""
+"""vLLM integration: plugin entry point, engine checks, model classes, model state, runtime."""

@@ -1,24 +1,25 @@
-"""Per-request, per-stage KV lengths that outlive one engine step.
+"""Per-request state that outlives one engine step: dropped prompt tokens per stage.
 
-A *stage* is the run of decoder layers between two drop layers: stage 0 is
-every layer up to and including the first drop layer's attention, stage s
-holds the layers after the s-th drop layer. A layer in stage s stores K/V of
-the tokens that survived s selections, so during decode its sequence length
-is the request's length minus the prompt tokens dropped before stage s.
+A *stage* is the run of decoder layers between two drop layers: stage 0 is every
+layer up to and including the first drop layer, stage s holds the layers after
+the s-th drop layer. A layer of stage s stores K/V of the prompt tokens that
+survived s selections, so during decode its sequence length is the request's
+length minus the prompt tokens dropped before stage s.
 
-The table keeps, for every request whose prefill dropped tokens, that dropped
-count per stage. It lives on the host (it is read once per step to build the
-per-stage lengths, never once per layer) and an entry is removed when vLLM
-forgets the request: finished, aborted, or restarted from scratch after a
-preemption.
+:class:`RequestTable` holds, for every live request, its prompt length and those
+dropped counts, indexed by vLLM's request slot (the ``req_index`` of the V2 model
+runner). The counts live twice: a host array (read when a step is planned) and a
+device tensor (gathered into per-stage lengths and slots without a host sync). A
+row is written when a request is added, after its prefill drops, and cleared when
+vLLM removes the request (finished, aborted or preempted).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 
 @dataclass
@@ -29,7 +30,8 @@ class DropStats:
     seen: list[int] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
     dropped_prefills: int = 0
-    # Compacted requests computed again from scratch (resumed after a preemption).
+    # Requests vLLM recomputed from scratch after a preemption (their prefill, prompt
+    # plus generated tokens, runs dense).
     restarted: int = 0
 
     def __post_init__(self) -> None:
@@ -50,47 +52,54 @@ class DropStats:
         }
 
 
-class KeptLengthTable:
-    """``req_id -> dropped[stage]`` for every request whose KV was compacted."""
+class RequestTable:
+    """``slot -> (req_id, prompt_len, dropped[stage])`` for the requests vLLM holds."""
 
-    def __init__(self, num_stages: int) -> None:
+    def __init__(self, max_num_reqs: int, num_stages: int, device: torch.device) -> None:
         # num_stages counts stage 0, whose dropped count is always 0.
         self.num_stages = num_stages
-        self._dropped: dict[str, np.ndarray] = {}
+        self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.slot_of: dict[str, int] = {}
+        self.prompt_len = np.zeros(max_num_reqs, dtype=np.int64)
+        self.runs_dense = np.zeros(max_num_reqs, dtype=bool)
+        self.dropped = np.zeros((max_num_reqs, num_stages), dtype=np.int64)
+        self.dropped_gpu = torch.zeros((max_num_reqs, num_stages), dtype=torch.int32, device=device)
 
     def __len__(self) -> int:
-        return len(self._dropped)
+        """Requests whose KV is compacted right now."""
+        return int(np.count_nonzero(self.dropped[:, -1]))
 
-    def __contains__(self, req_id: object) -> bool:
-        return req_id in self._dropped
+    def add(self, slot: int, req_id: str, prompt_len: int, runs_dense: bool) -> None:
+        self.remove(req_id)
+        self.req_ids[slot] = req_id
+        self.slot_of[req_id] = slot
+        self.prompt_len[slot] = prompt_len
+        self.runs_dense[slot] = runs_dense
+        self._clear(slot)
 
-    def record(self, req_id: str, dropped: Sequence[int]) -> None:
-        arr = np.asarray(dropped, dtype=np.int64)
-        if arr.shape != (self.num_stages,) or arr[0] != 0 or np.any(np.diff(arr) < 0):
-            raise ValueError(f"bad dropped counts {arr.tolist()} for request {req_id!r}")
-        if arr[-1] == 0:
-            self._dropped.pop(req_id, None)  # nothing dropped: dense KV, no record
-        else:
-            self._dropped[req_id] = arr
+    def remove(self, req_id: str) -> None:
+        slot = self.slot_of.pop(req_id, None)
+        if slot is not None:
+            self.req_ids[slot] = None
+            self._clear(slot)
 
-    def forget(self, req_id: str) -> None:
-        self._dropped.pop(req_id, None)
+    def holds(self, req_ids: list[str], slots: np.ndarray) -> bool:
+        """Whether these batch rows are requests of this table (a dummy batch is not)."""
+        return len(req_ids) > 0 and self.req_ids[int(slots[0])] == req_ids[0]
 
-    def keep_only(self, alive: Iterable[str]) -> None:
-        """Drop the entries of requests vLLM no longer tracks."""
-        alive_set = set(alive)
-        for req_id in [r for r in self._dropped if r not in alive_set]:
-            del self._dropped[req_id]
+    def record(self, slots: np.ndarray, dropped: np.ndarray) -> None:
+        """Store the dropped counts ``[len(slots), num_stages]`` of rows that just dropped."""
+        if dropped.shape != (len(slots), self.num_stages) or np.any(dropped[:, 0] != 0):
+            raise ValueError(f"bad dropped counts {dropped.tolist()}")
+        if np.any(np.diff(dropped, axis=1) < 0):
+            raise ValueError(f"dropped counts must not shrink over stages: {dropped.tolist()}")
+        self.dropped[slots] = dropped
+        index = torch.from_numpy(slots.astype(np.int64))
+        values = torch.from_numpy(dropped.astype(np.int32))
+        dev = self.dropped_gpu.device
+        self.dropped_gpu[index.to(dev)] = values.to(dev, non_blocking=True)
 
-    def matrix(self, req_ids: Sequence[str]) -> np.ndarray:
-        """Dropped counts ``[len(req_ids), num_stages]``; zeros for requests without one."""
-        out = np.zeros((len(req_ids), self.num_stages), dtype=np.int64)
-        if self._dropped:
-            for row, req_id in enumerate(req_ids):
-                arr = self._dropped.get(req_id)
-                if arr is not None:
-                    out[row] = arr
-        return out
-
-    def req_ids(self) -> list[str]:
-        return list(self._dropped)
+    def _clear(self, slot: int) -> None:
+        if self.dropped[slot].any():
+            self.dropped[slot] = 0
+            self.dropped_gpu[slot] = 0

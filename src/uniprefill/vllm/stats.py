@@ -9,11 +9,15 @@ def collect(llm: Any) -> dict[str, Any] | None:
     """Drop statistics of the first worker, or ``None`` when UniPrefill is off.
 
     Keys: ``drop_layers``, ``seen_tokens`` and ``kept_tokens`` (per drop layer,
-    summed over every dropped prefill so far), ``dropped_prefills``, and
-    ``records``: requests whose per-layer KV lengths are held right now.
+    summed over every dropped prefill so far), ``dropped_prefills``, ``restarted``
+    (requests recomputed after a preemption), and ``records``: requests whose
+    per-layer KV lengths are held right now.
     """
-    from uniprefill.vllm.compat import STATS_METHOD
+    from uniprefill.vllm.worker import EXTENSION_CLS, STATS_METHOD
 
+    config = getattr(llm.llm_engine, "vllm_config", None)
+    if config is None or config.parallel_config.worker_extension_cls != EXTENSION_CLS:
+        return None  # UniPrefill is off: its worker RPC is not there
     results = llm.collective_rpc(STATS_METHOD)
     return results[0] if results else None
 

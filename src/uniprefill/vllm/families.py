@@ -1,9 +1,11 @@
 """Per-architecture facts UniPrefill needs: layer types, default schedules, module names.
 
-Nothing here imports vLLM. An adapter reads the Hugging Face config to tell
-which decoder layers are full-attention layers (the only layers that may
-score and drop tokens) and names the pieces of a vLLM decoder layer that the
-runtime hooks:
+Nothing here imports vLLM, so the front end can validate a configuration before
+any worker starts. A family reads the Hugging Face config to tell which decoder
+layers are full-attention layers (the only layers that may score and drop tokens),
+names the UniPrefill model class that vLLM loads in place of its own (through
+``model_class_overrides``), and names the pieces of a vLLM decoder layer that the
+staged forward hooks:
 
 * ``attention(layer)``: the vLLM ``Attention`` module of a full-attention
   layer, whose inputs are the post-RoPE q and k used for scoring;
@@ -11,6 +13,9 @@ runtime hooks:
   ``(hidden_states, residual)`` right after its token mixer. The selection is
   applied there, so the drop layer's own attention saw every token and its
   MLP/MoE and every later layer see only the kept ones.
+
+A fourth family is one entry here plus one small model class in
+``uniprefill.vllm.models``.
 """
 
 from __future__ import annotations
@@ -75,9 +80,11 @@ def _qwen3_next_schedule(types: Sequence[str]) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class ModelAdapter:
+class ModelFamily:
     family: str
     architectures: tuple[str, ...]
+    # "module:Class" vLLM loads instead of its own class when UniPrefill is on.
+    model_class: str
     layer_types: Callable[[Any], list[str]]
     default_schedule: Callable[[Sequence[str]], tuple[int, ...]]
     gather_module: str
@@ -113,41 +120,44 @@ class ModelAdapter:
         return SLIDING in self.types_for(hf_config)
 
 
-ADAPTERS: tuple[ModelAdapter, ...] = (
-    ModelAdapter(
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
         family="llama",
         architectures=("LlamaForCausalLM",),
+        model_class="uniprefill.vllm.models.llama:UniPrefillLlamaForCausalLM",
         layer_types=_llama_layer_types,
         default_schedule=_llama_schedule,
         gather_module="post_attention_layernorm",
     ),
-    ModelAdapter(
+    ModelFamily(
         family="gemma3",
         architectures=("Gemma3ForCausalLM",),
+        model_class="uniprefill.vllm.models.gemma3:UniPrefillGemma3ForCausalLM",
         layer_types=_gemma3_layer_types,
         default_schedule=_gemma3_schedule,
         # Gemma 3 normalises the attention output alone, then adds the residual
         # in pre_feedforward_layernorm: that call is the first to carry both.
         gather_module="pre_feedforward_layernorm",
     ),
-    ModelAdapter(
+    ModelFamily(
         family="qwen3_next",
         architectures=("Qwen3NextForCausalLM",),
+        model_class="uniprefill.vllm.models.qwen3_next:UniPrefillQwen3NextForCausalLM",
         layer_types=_qwen3_next_layer_types,
         default_schedule=_qwen3_next_schedule,
         gather_module="post_attention_layernorm",
     ),
 )
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for ad in ADAPTERS for a in ad.architectures)
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for fam in FAMILIES for a in fam.architectures)
 
 
-def adapter_for(architectures: Sequence[str] | None) -> ModelAdapter:
-    """The adapter for a model's ``architectures`` list, or a ``ValueError``."""
+def family_for(architectures: Sequence[str] | None) -> ModelFamily:
+    """The family of a model's ``architectures`` list, or a ``ValueError``."""
     for arch in architectures or ():
-        for adapter in ADAPTERS:
-            if arch in adapter.architectures:
-                return adapter
+        for family in FAMILIES:
+            if arch in family.architectures:
+                return family
     raise ValueError(
         f"uniprefill does not support architecture {list(architectures or [])}; "
         f"supported: {list(SUPPORTED_ARCHITECTURES)}. Remove the 'uniprefill' entry of "

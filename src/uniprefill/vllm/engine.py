@@ -1,0 +1,112 @@
+"""Front-end side: check the settings and wire UniPrefill into the engine config.
+
+Runs in the process that builds the engine config (``EngineArgs``), before any
+engine or worker process starts, so a bad setting is a plain ``ValueError`` naming
+it. When UniPrefill is on it sets three of vLLM's own options:
+
+* ``model_class_overrides``: the family's UniPrefill model class replaces vLLM's;
+* ``worker_extension_cls``: the stats RPC (``uniprefill_stats``);
+* ``enable_prefix_caching=False`` when unset (vLLM's default is on): compacted KV
+  must never be shared as if it held the full prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from uniprefill.config import UniPrefillConfig
+from uniprefill.vllm.families import FAMILIES, family_for
+from uniprefill.vllm.models.base import uniprefill_config
+from uniprefill.vllm.worker import EXTENSION_CLS
+
+logger = logging.getLogger("vllm.uniprefill")
+
+
+def refuse(what: str, why: str) -> ValueError:
+    return ValueError(f"uniprefill: {what} is not supported: {why}")
+
+
+def prepare_engine_args(args: Any) -> UniPrefillConfig | None:
+    """Check ``EngineArgs`` and set what UniPrefill needs; ``None`` when it is off."""
+    cfg = uniprefill_config(args.additional_config)
+    if cfg is None:
+        return None
+    if args.enable_prefix_caching is None:
+        args.enable_prefix_caching = False
+        logger.info("uniprefill: prefix caching turned off")
+    elif args.enable_prefix_caching:
+        raise refuse(
+            "enable_prefix_caching=True",
+            "compacted KV would be shared as if it were the full prefix; pass "
+            "enable_prefix_caching=False (--no-enable-prefix-caching)",
+        )
+    if args.speculative_config:
+        raise refuse("speculative decoding", "draft verification needs every prompt position")
+    if (args.pipeline_parallel_size or 1) > 1:
+        raise refuse("pipeline_parallel_size > 1", "selection state does not cross stages")
+    if (getattr(args, "data_parallel_size", 1) or 1) > 1:
+        raise refuse("data_parallel_size > 1", "not tested; use tensor parallelism")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if (getattr(args, name, 1) or 1) > 1:
+            raise refuse(
+                f"{name} > 1", "context parallelism splits the sequences UniPrefill scores"
+            )
+    if args.enable_lora:
+        raise refuse("LoRA", "not tested with compacted batches")
+    if getattr(args, "enable_dbo", False):
+        raise refuse("dual batch overlap (enable_dbo)", "micro-batches would split the selection")
+    if args.worker_extension_cls and args.worker_extension_cls != EXTENSION_CLS:
+        raise refuse(
+            f"worker_extension_cls={args.worker_extension_cls!r}",
+            f"UniPrefill installs its own ({EXTENSION_CLS})",
+        )
+    args.worker_extension_cls = EXTENSION_CLS
+    overrides = dict(args.model_class_overrides or {})
+    for family in FAMILIES:
+        for arch in family.architectures:
+            if overrides.get(arch, family.model_class) != family.model_class:
+                raise refuse(f"model_class_overrides[{arch!r}]", "UniPrefill loads its own class")
+            overrides[arch] = family.model_class
+    args.model_class_overrides = overrides
+    return cfg
+
+
+def check_vllm_config(vllm_config: Any, cfg: UniPrefillConfig, user_hma_off: Any) -> None:
+    """Check the resolved config; adjust what UniPrefill must (logged)."""
+    model_config = vllm_config.model_config
+    if model_config.runner_type != "generate":
+        raise ValueError("uniprefill: only generative models are supported (runner='generate')")
+    family = family_for(model_config.architectures)
+    family.resolve_drop_layers(model_config.hf_config, cfg.drop_layers)
+    if not getattr(vllm_config, "use_v2_model_runner", True):
+        raise ValueError(
+            "uniprefill runs on vLLM's model runner V2; this configuration selects V1 "
+            "(VLLM_USE_V2_MODEL_RUNNER=0, or a feature V2 does not support)"
+        )
+    if getattr(vllm_config.parallel_config, "enable_sequence_parallelism", False) or getattr(
+        vllm_config.compilation_config.pass_config, "enable_sp", False
+    ):
+        raise ValueError("uniprefill: sequence parallelism is not supported")
+    sched = vllm_config.scheduler_config
+    if family.has_sliding_window(model_config.hf_config):
+        # The hybrid KV manager frees sliding-window blocks by original length;
+        # compacted KV and decode appends would land in freed blocks.
+        if user_hma_off is False:
+            raise ValueError(
+                "uniprefill: disable_hybrid_kv_cache_manager=False is not supported for "
+                "sliding-window models: the hybrid KV manager frees sliding-window blocks "
+                "by original length, which compacted KV still uses; leave it unset"
+            )
+        if not sched.disable_hybrid_kv_cache_manager:
+            sched.disable_hybrid_kv_cache_manager = True
+            logger.info("uniprefill: hybrid KV cache manager turned off (sliding window)")
+    if sched.max_num_batched_tokens < model_config.max_model_len:
+        logger.warning(
+            "uniprefill: max_num_batched_tokens=%d < max_model_len=%d: prompts longer than "
+            "max_num_batched_tokens are prefilled in chunks and run dense (no tokens "
+            "dropped). Raise --max-num-batched-tokens to accelerate them.",
+            sched.max_num_batched_tokens,
+            model_config.max_model_len,
+        )
+    logger.info("uniprefill enabled: %s", cfg.to_dict())

@@ -1,0 +1,314 @@
+"""The V2 model runner's per-model state, with UniPrefill's request table and stages.
+
+vLLM asks the model for its state class (``get_model_state_cls``); UniPrefill's
+class derives from the one vLLM would pick (default, or Mamba-hybrid for
+Qwen3-Next) and adds, through the state's own hooks:
+
+* ``add_request`` / ``remove_request``: a row of the request table per request,
+  freed with the request (finished, aborted, preempted);
+* ``prepare_attn``: plans the step (which rows drop), and when compacted requests
+  are in the batch (or a FULL CUDA graph runs, which reads them every replay)
+  writes each later stage's sequence lengths and KV slots into persistent buffers
+  and builds that stage's metadata with the stage's own builders;
+* the rebuild of a stage's metadata after a drop layer (called by the runtime).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+
+from uniprefill.vllm import versions
+from uniprefill.vllm.requests import runs_dense
+from uniprefill.vllm.runtime import StepContext, UniPrefillRuntime
+from uniprefill.vllm.stages import StageBatch, StageGroups, check_batch_fields, slot_mapping
+from uniprefill.vllm.stages import split_groups as split_stage_groups
+
+_CLASSES: dict[type, type] = {}
+
+
+def base_state_class(vllm_config: Any) -> type:
+    """The state class vLLM picks for these three families (hybrid or default)."""
+    if vllm_config.model_config.is_hybrid:
+        from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
+
+        return MambaHybridModelState
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    return DefaultModelState
+
+
+def model_state_class(vllm_config: Any) -> type:
+    """UniPrefill's state class over the base class vLLM would choose for this model."""
+    base = base_state_class(vllm_config)
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"UniPrefill{base.__name__}", (UniPrefillStateMixin, base), {})
+    return _CLASSES[base]
+
+
+class _StageBuffers:
+    """Per-stage lengths, slots and builders that outlive a step (graphs read them)."""
+
+    def __init__(
+        self,
+        runtime: UniPrefillRuntime,
+        attn_groups: list[list[Any]],
+        vllm_config: Any,
+        device: torch.device,
+    ) -> None:
+        from vllm.v1.kv_cache_interface import AttentionSpec
+
+        self.stages: list[StageGroups] = split_stage_groups(
+            attn_groups,
+            runtime.drop_layers,
+            lambda spec: isinstance(spec, AttentionSpec),
+            vllm_config,
+            device,
+        )
+        sched = vllm_config.scheduler_config
+        num_stages, num_groups = len(runtime.drop_layers), len(attn_groups)
+        self.seq_lens = torch.zeros(
+            (num_stages, sched.max_num_seqs), dtype=torch.int32, device=device
+        )
+        self.slots = torch.full(
+            (num_stages, num_groups, sched.max_num_batched_tokens),
+            -1,
+            dtype=torch.int64,
+            device=device,
+        )
+        # Block size in the units of the block tables the runner hands prepare_attn.
+        self.block_size = {
+            gid: versions.block_table_block_size(group)
+            for gid, groups in enumerate(attn_groups)
+            for group in groups
+            if isinstance(group.kv_cache_spec, AttentionSpec)
+        }
+        self.checked = False
+
+
+class UniPrefillStateMixin:
+    """Hooks UniPrefill adds to vLLM's model state (mixed in before the base class)."""
+
+    def __init__(self, vllm_config: Any, model: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, model, *args, **kwargs)  # type: ignore[call-arg]
+        from vllm.v1.worker.gpu.input_batch import InputBatch
+
+        check_batch_fields(InputBatch)
+        self.uniprefill: UniPrefillRuntime = model.make_uniprefill_runtime(
+            self.device, vllm_config.scheduler_config.max_num_seqs
+        )
+        self._stage_buffers: _StageBuffers | None = None
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, req_index: int, new_req_data: Any) -> None:
+        super().add_request(req_index, new_req_data)  # type: ignore[misc]
+        prompt = list(new_req_data.prompt_token_ids or ())
+        prefill = new_req_data.prefill_token_ids
+        rt = self.uniprefill
+        rt.table.add(req_index, new_req_data.req_id, len(prompt), runs_dense(new_req_data))
+        if prefill is not None and len(prefill) > len(prompt):
+            rt.stats.restarted += 1  # resumed after a preemption: prompt + outputs, dense
+
+    def remove_request(self, req_id: str) -> None:
+        super().remove_request(req_id)  # type: ignore[misc]
+        self.uniprefill.table.remove(req_id)
+
+    # ---- attention metadata ------------------------------------------------------------------
+    def prepare_attn(
+        self,
+        input_batch: Any,
+        cudagraph_mode: Any,
+        block_tables: tuple[torch.Tensor, ...],
+        slot_mappings: torch.Tensor,
+        attn_groups: list[list[Any]],
+        kv_cache_config: Any,
+        for_capture: bool = False,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        from vllm.config.compilation import CUDAGraphMode
+
+        base = functools.partial(super().prepare_attn, **kwargs)  # type: ignore[misc]
+        meta = base(
+            input_batch,
+            cudagraph_mode,
+            block_tables,
+            slot_mappings,
+            attn_groups,
+            kv_cache_config,
+            for_capture=for_capture,
+        )
+        rt = self.uniprefill
+        if not rt.drop_layers:
+            rt.plan_dummy(input_batch.num_reqs)
+            return meta
+        if self._stage_buffers is None:
+            self._stage_buffers = _StageBuffers(rt, attn_groups, self.vllm_config, self.device)
+        bufs = self._stage_buffers
+        full_graph = cudagraph_mode == CUDAGraphMode.FULL
+        num_reqs = input_batch.num_reqs
+        slots = input_batch.idx_mapping_np[:num_reqs]
+        real = not for_capture and rt.table.holds(input_batch.req_ids, slots)
+        if real:
+            # A FULL graph replays fixed token counts: nothing can drop inside one.
+            step = rt.plan(
+                input_batch.req_ids,
+                slots,
+                input_batch.num_scheduled_tokens[:num_reqs],
+                input_batch.num_computed_tokens_np[:num_reqs],
+                may_drop=not full_graph,
+            )
+            if not bufs.checked:
+                self._check_slot_formula(input_batch, block_tables, slot_mappings)
+        else:
+            step = rt.plan_dummy(num_reqs)
+        if step.dropping:
+            step.rebuild = functools.partial(
+                self._rebuild_stage, base, input_batch, block_tables, kv_cache_config
+            )
+        elif for_capture or full_graph or step.dropped[:, 1:].any():
+            # FULL graphs are captured with (and replay) the stage buffers, so they are
+            # filled on every step that may replay one, compacted requests or not.
+            dropped = rt.table.dropped_gpu[input_batch.idx_mapping] if real else None
+            self._decode_stages(
+                base,
+                step,
+                input_batch,
+                cudagraph_mode,
+                block_tables,
+                slot_mappings,
+                kv_cache_config,
+                for_capture,
+                dropped,
+                meta,
+            )
+        return meta
+
+    def _decode_stages(
+        self,
+        base: Any,
+        step: StepContext,
+        batch: Any,
+        cudagraph_mode: Any,
+        block_tables: tuple[torch.Tensor, ...],
+        slot_mappings: torch.Tensor,
+        kv_cache_config: Any,
+        for_capture: bool,
+        dropped: torch.Tensor | None,
+        meta: dict[str, Any],
+    ) -> None:
+        """Later stages' metadata for a step whose token set is the same at every layer.
+
+        Writes into the persistent stage buffers: a FULL graph captured with them
+        reads the new lengths and slots at its next replay. Without ``dropped`` (a
+        dummy or capture batch) the stages copy vLLM's own lengths and pad slots.
+        """
+        bufs = self._stage_buffers
+        assert bufs is not None
+        num_reqs, padded = batch.num_reqs, batch.num_reqs_after_padding
+        num_tokens = slot_mappings.shape[1]
+        qsl = batch.query_start_loc
+        for s, stage in enumerate(bufs.stages, start=1):
+            if not any(stage.paged):
+                continue
+            seq = bufs.seq_lens[s - 1, :padded]
+            seq.copy_(batch.seq_lens[:padded])
+            slots = bufs.slots[s - 1, :, :num_tokens]
+            if dropped is None:
+                slots.copy_(slot_mappings)
+            else:
+                seq[:num_reqs] -= dropped[:, s]
+                qlen = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
+                ctx = batch.seq_lens[:num_reqs] - qlen - dropped[:, s]
+                for gid, groups in enumerate(stage.paged):
+                    if groups:
+                        slot_mapping(
+                            block_tables[gid], bufs.block_size[gid], ctx, qsl, num_reqs, slots[gid]
+                        )
+            stage_batch = dataclasses.replace(batch, seq_lens=seq)
+            meta.update(
+                base(
+                    stage_batch,
+                    cudagraph_mode,
+                    block_tables,
+                    slots,
+                    stage.paged,
+                    kv_cache_config,
+                    for_capture=for_capture,
+                )
+            )
+            for groups in stage.paged:
+                for group in groups:
+                    for name in group.layer_names:
+                        step.slot_overrides[name] = slots[group.kv_cache_group_id]
+
+    def _rebuild_stage(
+        self,
+        base: Any,
+        batch: Any,
+        block_tables: tuple[torch.Tensor, ...],
+        kv_cache_config: Any,
+        step: StepContext,
+        stage: int,
+        qlen: np.ndarray,
+        ctx: np.ndarray,
+    ) -> None:
+        """Metadata of stage ``stage`` after a drop layer: new token set, compacted KV."""
+        from vllm.config.compilation import CUDAGraphMode
+        from vllm.forward_context import get_forward_context
+
+        bufs = self._stage_buffers
+        assert bufs is not None and step.positions is not None
+        groups = bufs.stages[stage - 1]
+        sb = StageBatch.build(qlen, ctx, step.positions, batch.num_reqs_after_padding)
+        num_tokens = int(qlen.sum())
+        slots = torch.full(
+            (len(groups.groups), num_tokens), -1, dtype=torch.int64, device=self.device
+        )
+        ctx_dev = torch.from_numpy(ctx.astype(np.int32)).to(self.device, non_blocking=True)
+        for gid, paged in enumerate(groups.paged):
+            if paged:
+                block_size = bufs.block_size[gid]
+                slot_mapping(
+                    block_tables[gid],
+                    block_size,
+                    ctx_dev,
+                    sb.query_start_loc,
+                    len(qlen),
+                    slots[gid],
+                )
+        meta = base(
+            sb.input_batch(batch),
+            CUDAGraphMode.NONE,
+            block_tables,
+            slots,
+            groups.groups,
+            kv_cache_config,
+        )
+        fc = get_forward_context()
+        fc.attn_metadata.update(meta)
+        for name, gid in groups.layer_group.items():
+            fc.slot_mapping[name] = slots[gid]
+
+    def _check_slot_formula(
+        self, batch: Any, block_tables: tuple[torch.Tensor, ...], slot_mappings: torch.Tensor
+    ) -> None:
+        """Once, on the first real step: our slot arithmetic must equal vLLM's."""
+        bufs = self._stage_buffers
+        assert bufs is not None
+        num_reqs = batch.num_reqs
+        qsl = batch.query_start_loc
+        ctx = batch.seq_lens[:num_reqs] - (qsl[1 : num_reqs + 1] - qsl[:num_reqs])
+        for gid, block_size in bufs.block_size.items():
+            ours = torch.empty_like(slot_mappings[gid])
+            slot_mapping(block_tables[gid], block_size, ctx, qsl, num_reqs, ours)
+            n = batch.num_tokens
+            if not torch.equal(ours[:n], slot_mappings[gid, :n]):
+                raise RuntimeError(
+                    "uniprefill: KV slot arithmetic disagrees with this vLLM's slot mapping "
+                    f"(KV-cache group {gid}); this vLLM version is not supported"
+                )
+        bufs.checked = True

@@ -1,0 +1,211 @@
+"""What every UniPrefill model class adds to vLLM's: the forward of a dropping step.
+
+A step in which no row drops (decode, short prompts, chunk continuations) runs
+vLLM's own forward: compiled, with CUDA graphs. A dropping step runs the layer
+loop below, eagerly: at each drop layer the attention's q/k are scored, and right
+after the token mixer hidden states, residual and positions are gathered, so the
+drop layer's MLP and every later layer see only the kept tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from uniprefill.config import UniPrefillConfig
+from uniprefill.vllm.families import ModelFamily
+from uniprefill.vllm.runtime import UniPrefillRuntime, compaction_reserve_bytes
+
+
+def uniprefill_config(additional_config: Any) -> UniPrefillConfig | None:
+    """The enabled UniPrefill config in vLLM's ``additional_config``, else ``None``."""
+    if not isinstance(additional_config, dict) or "uniprefill" not in additional_config:
+        return None
+    cfg = UniPrefillConfig.from_dict(additional_config["uniprefill"])
+    return cfg if cfg.enabled else None
+
+
+class UniPrefillModel:
+    """Mixed in before vLLM's ``*ForCausalLM`` class of a supported family."""
+
+    family: ModelFamily  # set by each subclass
+    uniprefill: UniPrefillRuntime | None = None
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)  # type: ignore[call-arg]
+        self.uniprefill_vllm_config = vllm_config
+        cfg = uniprefill_config(vllm_config.additional_config)
+        self.uniprefill_config = cfg
+        if cfg is None:
+            # vLLM keeps a registered override for the rest of the process: a later
+            # engine without UniPrefill gets this class, which then is vLLM's own.
+            return
+        hf_config = vllm_config.model_config.hf_config
+        self.drop_layers = self.family.resolve_drop_layers(hf_config, cfg.drop_layers)
+        self._dropping = False
+        self._max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        layers = self.model.layers  # type: ignore[attr-defined]
+        for layer in layers:
+            if getattr(layer, "use_attn_reduce_scatter_for_moe", False):
+                raise ValueError(
+                    "uniprefill: MoE reduce-scatter across tensor-parallel ranks is not "
+                    "supported (it splits the token set UniPrefill compacts)"
+                )
+        for d in self.drop_layers:
+            attn = self.family.attention(layers[d])
+            gather = getattr(layers[d], self.family.gather_module)
+            attn.register_forward_pre_hook(
+                functools.partial(_score_hook, self, d), with_kwargs=True
+            )
+            gather.register_forward_pre_hook(
+                functools.partial(_gather_hook, self, d), with_kwargs=True
+            )
+
+    # ---- vLLM seams ------------------------------------------------------------------------
+    def get_model_state_cls(self) -> type:
+        from uniprefill.vllm.model_state import base_state_class, model_state_class
+
+        if self.uniprefill_config is None:
+            return base_state_class(self.uniprefill_vllm_config)
+        return model_state_class(self.uniprefill_vllm_config)
+
+    def make_uniprefill_runtime(self, device: torch.device, max_num_reqs: int) -> UniPrefillRuntime:
+        """Called by the model state once the device is known."""
+        from uniprefill.vllm.worker import log_start, tp_allreduce, warm_up
+
+        rt = UniPrefillRuntime(
+            self.uniprefill_config,
+            self.drop_layers,
+            device,
+            max_num_reqs,
+            score_allreduce=tp_allreduce(),
+        )
+        self.uniprefill = rt
+        log_start(self, rt)
+        warm_up(self, rt, max_num_reqs)
+        return rt
+
+    def scoring_attention(self) -> Any:
+        """The first drop layer's attention module (its heads are what the selection scores)."""
+        return self.family.attention(self.model.layers[self.drop_layers[0]])  # type: ignore[attr-defined]
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        from vllm.forward_context import get_forward_context
+
+        dense = functools.partial(
+            super().forward,  # type: ignore[misc]
+            input_ids,
+            positions,
+            intermediate_tensors,
+            inputs_embeds,
+            **kwargs,
+        )
+        rt = self.uniprefill
+        fc = get_forward_context()
+        if fc.attn_metadata is None:
+            return self._profile_forward(dense, positions)
+        step = rt.step if rt is not None else None
+        if step is None:
+            return dense()
+        if step.slot_overrides:
+            fc.slot_mapping.update(step.slot_overrides)
+        if not step.dropping:
+            return dense()
+        if kwargs or intermediate_tensors is not None:
+            raise RuntimeError(f"uniprefill: unsupported model inputs {sorted(kwargs)}")
+        return self._dropping_forward(input_ids, positions, inputs_embeds)
+
+    def _dropping_forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: Any
+    ) -> torch.Tensor:
+        rt, inner = self.uniprefill, self.model  # type: ignore[attr-defined]
+        assert rt is not None and rt.step is not None
+        step = rt.step
+        step.positions, step.num_tokens_padded = positions, positions.shape[0]
+        hidden = inputs_embeds if inputs_embeds is not None else inner.embed_input_ids(input_ids)
+        residual = None
+        self._dropping = True
+        try:
+            for layer in inner.layers:
+                # step.positions shrinks at each drop layer's gather point.
+                hidden, residual = layer(
+                    positions=step.positions, hidden_states=hidden, residual=residual
+                )
+        finally:
+            self._dropping = False
+        hidden, _ = inner.norm(hidden, residual)
+        return rt.finish_forward(hidden)
+
+    def _profile_forward(self, dense: Any, positions: torch.Tensor) -> Any:
+        """vLLM's memory-profiling run (no attention metadata): hold the compaction peak.
+
+        vLLM sizes the KV cache from this run's peak; a dropping step's compacted
+        copies come on top of a dense forward (seen on the H200: out of memory at
+        4 x 64K on Qwen3-Next without this).
+        """
+        if (
+            positions.device.type != "cuda"
+            or positions.shape[-1] < self._max_tokens
+            or torch.cuda.is_current_stream_capturing()
+        ):
+            return dense()
+        cfg = self.uniprefill_config
+        attn = self.scoring_attention()
+        nbytes = compaction_reserve_bytes(
+            max_tokens=self._max_tokens,
+            max_reqs=self.uniprefill_vllm_config.scheduler_config.max_num_seqs,  # type: ignore[attr-defined]
+            hidden_size=self.uniprefill_vllm_config.model_config.get_hidden_size(),  # type: ignore[attr-defined]
+            act_bytes=torch.empty(
+                0, dtype=self.uniprefill_vllm_config.model_config.dtype
+            ).element_size(),  # type: ignore[attr-defined]
+            num_q_heads=attn.num_heads,
+            last_q=cfg.last_q,
+        )
+        reserve = torch.empty(nbytes, dtype=torch.uint8, device=positions.device)
+        try:
+            return dense()
+        finally:
+            del reserve
+
+
+def _score_hook(model: UniPrefillModel, layer: int, module: Any, args: tuple, kwargs: dict) -> None:
+    if torch.compiler.is_compiling() or not model._dropping:
+        return None
+    q = args[0] if len(args) > 0 else kwargs["query"]
+    k = args[1] if len(args) > 1 else kwargs["key"]
+    assert model.uniprefill is not None
+    model.uniprefill.on_attention_input(
+        layer,
+        q,
+        k,
+        module.num_heads,
+        module.num_kv_heads,
+        module.head_size,
+        float(module.impl.scale),
+    )
+    return None
+
+
+def _gather_hook(model: UniPrefillModel, layer: int, module: Any, args: tuple, kwargs: dict) -> Any:
+    if torch.compiler.is_compiling() or not model._dropping:
+        return None
+    hidden = args[0] if len(args) > 0 else kwargs.pop("hidden_states", None)
+    residual = args[1] if len(args) > 1 else kwargs.pop("residual", None)
+    if hidden is None or residual is None:
+        raise RuntimeError(
+            f"uniprefill: {model.family.gather_module} of layer {layer} got no "
+            "(hidden_states, residual)"
+        )
+    assert model.uniprefill is not None
+    hidden, residual = model.uniprefill.on_gather_point(layer, hidden, residual)
+    return (hidden, residual, *args[2:]), kwargs

@@ -1,0 +1,103 @@
+"""Every change UniPrefill makes to vLLM outside vLLM's extension points.
+
+Everything else goes through vLLM's own seams: ``model_class_overrides`` (the
+model classes in ``uniprefill.vllm.models``), the model's ``get_model_state_cls``
+(``uniprefill.vllm.model_state``), ``worker_extension_cls`` (``worker.py``) and
+``additional_config``. Three patches remain; each is a no-op unless the engine's
+``additional_config`` holds a ``uniprefill`` entry:
+
+* ``EngineArgs.create_engine_config`` (all versions, 0.26 - 0.34): check the
+  settings and set the options above before any process starts; vLLM has no hook
+  through which a general plugin sees the engine arguments.
+* ``model_loader.utils._MODEL_ARCH_BY_HASH`` is emptied when an engine with
+  UniPrefill is configured (0.26 - 0.34): vLLM caches the resolved model class by
+  model path, not by ``model_class_overrides``, so a second engine in one process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) would load the class the first one used.
+* ``VllmConfig.use_v2_model_runner`` (0.26 - 0.33; 0.34 has no V1 runner, nothing
+  to patch): UniPrefill runs on the V2 runner, which 0.26 - 0.28 do not choose for
+  hybrid and MoE models (Qwen3-Next). An explicit ``VLLM_USE_V2_MODEL_RUNNER=0``
+  is left alone and then refused.
+
+Installed once per process by :func:`apply` (vLLM may load plugins several times).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from uniprefill.vllm import engine, versions
+from uniprefill.vllm.models.base import uniprefill_config
+
+logger = logging.getLogger("vllm.uniprefill")
+
+_applied = False
+_told_unsupported = False
+
+
+def apply() -> None:
+    global _applied
+    if _applied:
+        return
+    _patch_create_engine_config()
+    if versions.is_supported():
+        _patch_v2_runner_choice()
+    _applied = True
+
+
+def _has_entry(additional_config: Any) -> bool:
+    return isinstance(additional_config, dict) and "uniprefill" in additional_config
+
+
+def _patch_create_engine_config() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs.create_engine_config
+
+    @functools.wraps(orig)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global _told_unsupported
+        if not _has_entry(self.additional_config):
+            if not versions.is_supported() and not _told_unsupported:
+                logger.info("%s; UniPrefill stays off", versions.unsupported_message())
+                _told_unsupported = True
+            return orig(self, *args, **kwargs)
+        versions.check_supported()
+        cfg = engine.prepare_engine_args(self)
+        if cfg is None:  # "enabled": false
+            return orig(self, *args, **kwargs)
+        _forget_resolved_model_classes()
+        user_hma_off = getattr(self, "disable_hybrid_kv_cache_manager", None)
+        vllm_config = orig(self, *args, **kwargs)
+        engine.check_vllm_config(vllm_config, cfg, user_hma_off)
+        return vllm_config
+
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def _patch_v2_runner_choice() -> None:
+    from vllm.config import VllmConfig
+
+    orig = VllmConfig.__dict__.get("use_v2_model_runner")
+    if not isinstance(orig, property):
+        return  # 0.34+: the V2 runner is the only one
+
+    def use_v2_model_runner(self: Any) -> bool:
+        import vllm.envs as envs
+
+        # An explicit VLLM_USE_V2_MODEL_RUNNER=0 wins (and engine.py then refuses).
+        explicit_v1 = getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None) is False
+        if uniprefill_config(self.additional_config) is not None and not explicit_v1:
+            return True
+        return orig.fget(self)
+
+    VllmConfig.use_v2_model_runner = property(use_v2_model_runner)
+
+
+def _forget_resolved_model_classes() -> None:
+    from vllm.model_executor.model_loader import utils
+
+    cache = getattr(utils, "_MODEL_ARCH_BY_HASH", None)
+    if isinstance(cache, dict):
+        cache.clear()
