@@ -232,7 +232,7 @@ def test_preempted_requests_restart_cleanly(tiny_llama: Path):
     prompts = _prompts((400, 400, 400), seed=6)
     cfg = {"top_p": 0.9, "drop_layers": [1, 3], **SMALL}
     llm = _llm(
-        tiny_llama, "llama", cfg, num_gpu_blocks_override=80, block_size=16, max_model_len=1024
+        tiny_llama, "llama", cfg, num_gpu_blocks_override=40, block_size=32, max_model_len=1024
     )
     try:
         outs = llm.generate(prompts, _greedy(200))
