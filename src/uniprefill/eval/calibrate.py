@@ -361,8 +361,8 @@ def _summarize(
     if widths and max(widths) > 2 * budget:
         warnings.append(
             f"with {len(prompts)} prompts the 95% intervals are up to {max(widths):.1f} points "
-            f"wide, against a budget of {budget:g}: add --samples (or prompts) before trusting "
-            "small differences"
+            f"wide, against a budget of {budget:g}: add --samples (or prompts), or use --strict, "
+            "before trusting small differences"
         )
     if family is None:
         warnings.append(
