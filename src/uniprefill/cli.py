@@ -1,4 +1,5 @@
-"""``uniprefill`` command line: ``eval`` (dense vs UniPrefill accuracy), ``report``, ``demo``."""
+"""``uniprefill`` command line: ``demo``, ``serve``, ``calibrate`` (choose top_p), ``eval``
+(dense vs UniPrefill accuracy) and ``report``."""
 
 from __future__ import annotations
 
@@ -26,20 +27,41 @@ def _lengths(text: str) -> list[int]:
     return out
 
 
-def _add_method_args(p: argparse.ArgumentParser) -> None:
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _add_method_args(p: argparse.ArgumentParser, *, top_p: bool = True) -> None:
     g = p.add_argument_group("UniPrefill options (unset: the plugin's defaults)")
-    g.add_argument("--top-p", type=float)
+    if top_p:
+        g.add_argument("--top-p", type=float)
     g.add_argument("--block-size", type=int)
     g.add_argument("--last-q", type=int)
     g.add_argument("--sink", type=int)
     g.add_argument("--drop-layers", type=_ints, help="comma-separated 0-based layer indices")
-    g.add_argument("--keep-ratio", type=float, help="keep this share of blocks instead of top-p")
+    if top_p:
+        g.add_argument(
+            "--keep-ratio", type=float, help="keep this share of blocks instead of top-p"
+        )
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", help="vLLM dtype (default: the model's, or the tiny arch's)")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument(
+        "--llm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra vllm.LLM argument (VALUE parsed as JSON when it can be), "
+        "e.g. disable_hybrid_kv_cache_manager=true",
+    )
 
 
 def method_config(args: argparse.Namespace) -> dict[str, Any]:
     """The ``additional_config["uniprefill"]`` dict from the options that were given."""
     names = ("top_p", "block_size", "last_q", "sink", "drop_layers", "keep_ratio")
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,16 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--samples", type=int, default=2, help="samples per task and length")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--max-new-tokens", type=int, help="default: a per-task budget")
-    ev.add_argument("--dtype", help="vLLM dtype (default: the model's, or the tiny arch's)")
-    ev.add_argument("--max-model-len", type=int)
-    ev.add_argument(
-        "--llm-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra vllm.LLM argument for both runs (VALUE parsed as JSON when it can be), "
-        "e.g. disable_hybrid_kv_cache_manager=true",
-    )
+    _add_engine_args(ev)
     ev.add_argument("--dense-only", action="store_true", help="skip the UniPrefill run")
     ev.add_argument("--json", type=Path, help="write the full result (with per-sample rows) here")
     ev.add_argument("--progress", action="store_true")
@@ -85,6 +98,65 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--arch", default="llama", choices=("llama", "gemma3", "qwen3_next"))
     demo.add_argument("--lengths", type=_lengths, default=[512, 1024, 1536])
     _add_method_args(demo)
+
+    cal = sub.add_parser(
+        "calibrate",
+        help="choose top_p: accuracy vs dense and predicted H200 speedup at several top_p",
+        description="Run the RULER-style suite (or --prompts FILE) dense and at each top_p in "
+        "one engine; report the score difference against dense (95%% CI), the kept share "
+        "per drop layer, the TTFT speedup it predicts on the H200 measurements, and the "
+        "fastest top_p within the loss budget.",
+    )
+    cal.add_argument("model", help="model directory, or a tiny arch: llama, gemma3, qwen3_next")
+    cal.add_argument(
+        "--top-p",
+        type=_floats,
+        default=None,
+        help="comma-separated values (default: 0.9,0.95,0.98,0.99,0.995,0.999)",
+    )
+    cal.add_argument(
+        "--prompts",
+        type=Path,
+        help='JSONL of {"prompt": ..., "answers": [...]} instead of the suite '
+        "(no answers: scored by equality with the dense output)",
+    )
+    cal.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated from {TASKS}")
+    cal.add_argument("--lengths", type=_lengths, help="default 4k (tiny arch: 1k)")
+    cal.add_argument("--samples", type=int, help="per task and length (default 4; tiny: 1)")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--max-new-tokens", type=int, help="default: per task (tiny arch: 8)")
+    cal.add_argument(
+        "--budget", type=float, default=0.5, help="accepted loss, points (default 0.5)"
+    )
+    cal.add_argument(
+        "--strict",
+        action="store_true",
+        help="judge the budget on the 95%% CI's low end instead of the mean difference",
+    )
+    cal.add_argument(
+        "--predict-lengths",
+        type=_lengths,
+        default=[8192, 32768, 131072],
+        help="prompt lengths of the speedup prediction (default 8k,32k,128k)",
+    )
+    cal.add_argument("--json", type=Path, help="write the full result here")
+    cal.add_argument("--plot", type=Path, help="write a PNG (needs matplotlib: the bench extra)")
+    cal.add_argument("--no-progress", action="store_true")
+    _add_engine_args(cal)
+    _add_method_args(cal, top_p=False)
+
+    srv = sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI-compatible server with UniPrefill (CPU and GPU installs)",
+        description="Start vLLM's OpenAI-compatible API server with UniPrefill on and the "
+        "engine flags it needs. Arguments it does not know go to vLLM unchanged "
+        "(e.g. --port 8000 --max-num-batched-tokens 131072), and so does everything after "
+        "'--' (--block-size here is UniPrefill's scoring block; vLLM's goes after '--').",
+        allow_abbrev=False,
+    )
+    srv.add_argument("model", help="model directory or name, as for vllm serve")
+    srv.add_argument("--dry-run", action="store_true", help="print the command, do not start")
+    _add_method_args(srv)
     return parser
 
 
@@ -156,8 +228,85 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from uniprefill.eval.calibrate import (
+        DEFAULT_TOP_PS,
+        format_calibration,
+        plot_calibration,
+        run_calibration,
+    )
+
+    plot_ok = True
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            plot_ok = False
+            print(_NO_MATPLOTLIB.format(path=args.plot), file=sys.stderr)
+    llm_kwargs: dict[str, Any] = llm_args(args.llm_arg)
+    if args.dtype:
+        llm_kwargs["dtype"] = args.dtype
+    if args.max_model_len:
+        llm_kwargs["max_model_len"] = args.max_model_len
+    result = run_calibration(
+        args.model,
+        top_ps=args.top_p or DEFAULT_TOP_PS,
+        prompts_file=args.prompts,
+        tasks=[t for t in args.tasks.split(",") if t],
+        lengths=args.lengths,
+        samples=args.samples,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        uniprefill_config=method_config(args),
+        llm_kwargs=llm_kwargs,
+        budget=args.budget,
+        strict=args.strict,
+        predict_lengths=args.predict_lengths,
+        progress=not args.no_progress,
+    )
+    print(format_calibration(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+    if args.plot:
+        if plot_ok:
+            print(f"wrote {plot_calibration(result, args.plot)}")
+        else:
+            print(_NO_MATPLOTLIB.format(path=args.plot), file=sys.stderr)
+    return 0
+
+
+_NO_MATPLOTLIB = (
+    "--plot {path}: matplotlib is not installed, so no plot is written (the table and "
+    "--json are). Install it with: pip install matplotlib (or the bench extra, "
+    "pip install '.[bench]')"
+)
+
+
+def _serve(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
+    from uniprefill.serve import describe, exec_server, serve_command, serve_env
+
+    argv = serve_command(args.model, method_config(args), vllm_args)
+    env = serve_env()
+    print(describe(argv, env), file=sys.stderr)
+    if args.dry_run:
+        return 0
+    exec_server(argv, env)
+    return 0  # not reached
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if argv[:1] == ["serve"] and "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1 :]
+    args, extra = parser.parse_known_args(argv)
+    extra += passthrough
+    if extra and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command != "report":
         # UniPrefill runs on vLLM's V2 runner; on a CPU machine without a Triton CPU
         # backend its bookkeeping kernels run in Triton's interpreter (no-op on GPUs).
@@ -168,6 +317,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _eval(args)
     if args.command == "report":
         return _report(args)
+    if args.command == "calibrate":
+        return _calibrate(args)
+    if args.command == "serve":
+        return _serve(args, extra)
     return _demo(args)
 
 

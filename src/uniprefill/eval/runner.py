@@ -126,37 +126,36 @@ class EngineRun:
     batch_stats: list[dict[str, Any] | None]
 
 
-def run_engine(
-    path: Path,
-    prompts: Sequence[str],
-    max_tokens: Sequence[int],
-    *,
-    llm_kwargs: dict[str, Any],
-    additional_config: dict[str, Any] | None,
-    progress: bool,
-    desc: str,
-    batch_size: int = 1,
-    warmup: bool = True,
-) -> EngineRun:
-    """Start one engine, generate greedily for every prompt, free the engine.
-
-    Prompts go one ``generate`` call per ``batch_size``: on CPU, long prefills are
-    compute-bound, so batching gains little, and one prompt per call gives per-prompt
-    times, kept ratios and a progress bar that moves. ``warmup`` first prefills the first
-    prompt once, untimed and outside the stats, so the
-    first timed prompt does not pay one-off kernel set-up.
-    """
+def start_engine(
+    path: Path, *, llm_kwargs: dict[str, Any], additional_config: dict[str, Any] | None
+) -> tuple[Any, float]:
+    """A ``vllm.LLM`` for ``path`` (eager, prefix caching off) and its start-up seconds."""
     # In-process engine core: faster start on CPU, and no spawn of a __main__-less caller.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     kwargs = {"enforce_eager": True, **llm_kwargs, "enable_prefix_caching": False}
     if additional_config is not None:
         kwargs["additional_config"] = additional_config
     t0 = time.perf_counter()
     llm = LLM(str(path), **kwargs)
-    startup = time.perf_counter() - t0
-    run = EngineRun([], [], 0.0, startup, None, [], [])
+    return llm, time.perf_counter() - t0
+
+
+def generate(
+    llm: Any,
+    prompts: Sequence[str],
+    max_tokens: Sequence[int],
+    *,
+    progress: bool,
+    desc: str,
+    batch_size: int = 1,
+    warmup: bool = True,
+) -> EngineRun:
+    """Generate greedily for every prompt on a running engine (see :func:`run_engine`)."""
+    from vllm import SamplingParams
+
+    run = EngineRun([], [], 0.0, 0.0, None, [], [])
     bar = Progress(len(prompts), desc, progress)
     try:
         if warmup and prompts:
@@ -183,9 +182,51 @@ def run_engine(
         run.stats = stats_delta(last, first)
     finally:
         bar.close()
-        _shutdown(llm)
+    return run
+
+
+def stop_engine(llm: Any) -> None:
+    """Free the engine (and its KV cache) before the next one starts."""
+    _shutdown(llm)
+    gc.collect()
+
+
+def run_engine(
+    path: Path,
+    prompts: Sequence[str],
+    max_tokens: Sequence[int],
+    *,
+    llm_kwargs: dict[str, Any],
+    additional_config: dict[str, Any] | None,
+    progress: bool,
+    desc: str,
+    batch_size: int = 1,
+    warmup: bool = True,
+) -> EngineRun:
+    """Start one engine, generate greedily for every prompt, free the engine.
+
+    Prompts go one ``generate`` call per ``batch_size``: on CPU, long prefills are
+    compute-bound, so batching gains little, and one prompt per call gives per-prompt
+    times, kept ratios and a progress bar that moves. ``warmup`` first prefills the first
+    prompt once, untimed and outside the stats, so the
+    first timed prompt does not pay one-off kernel set-up.
+    """
+    llm, startup = start_engine(path, llm_kwargs=llm_kwargs, additional_config=additional_config)
+    try:
+        run = generate(
+            llm,
+            prompts,
+            max_tokens,
+            progress=progress,
+            desc=desc,
+            batch_size=batch_size,
+            warmup=warmup,
+        )
+    finally:
+        stop_engine(llm)
         del llm
         gc.collect()
+    run.startup_seconds = startup
     return run
 
 
@@ -203,6 +244,26 @@ def _max_positions(path: Path) -> int | None:
     cfg = json.loads((path / "config.json").read_text())
     cfg = cfg.get("text_config") or cfg
     return cfg.get("max_position_embeddings")
+
+
+def sized_llm_kwargs(
+    path: Path, kw: dict[str, Any], prompt_tokens: Sequence[int], budgets: Sequence[int]
+) -> dict[str, Any]:
+    """``kw`` plus a ``max_model_len`` that fits the longest prompt and its output, and a
+    step (``max_num_batched_tokens``) that holds a whole prompt."""
+    kw = dict(kw)
+    need = max(n + b for n, b in zip(prompt_tokens, budgets, strict=True))
+    limit = _max_positions(path)
+    if limit is not None and need > limit:
+        raise ValueError(
+            f"the longest prompt plus its output budget needs {need} positions but the model "
+            f"has {limit}; use a length of at most {limit - max(budgets)} or fewer new tokens"
+        )
+    kw.setdefault("max_model_len", need if limit is None else min(need + 16, limit))
+    # A prompt split over several steps (chunked prefill) cannot be scored, so UniPrefill
+    # runs it dense: give one step room for the longest prompt so every prompt is tested.
+    kw.setdefault("max_num_batched_tokens", kw["max_model_len"])
+    return kw
 
 
 def _accuracy(samples: Sequence[Sample], scores: Sequence[float]) -> dict[str, dict[str, float]]:
@@ -242,18 +303,12 @@ def run_eval(
     tok = AutoTokenizer.from_pretrained(str(path))
     samples = generate_suite(tasks, lengths, samples_per_task, token_counter(tok), seed)
     budgets = [max_new_tokens or DEFAULT_MAX_NEW_TOKENS[s.task] for s in samples]
-    kw = {**arch_kwargs, **(llm_kwargs or {})}
-    need = max(s.n_tokens + b for s, b in zip(samples, budgets, strict=True))
-    limit = _max_positions(path)
-    if limit is not None and need > limit:
-        raise ValueError(
-            f"the longest prompt plus its output budget needs {need} positions but the model "
-            f"has {limit}; use a length of at most {limit - max(budgets)} or fewer new tokens"
-        )
-    kw.setdefault("max_model_len", need if limit is None else min(need + 16, limit))
-    # A prompt split over several steps (chunked prefill) cannot be scored, so UniPrefill
-    # runs it dense: give one step room for the longest prompt so every prompt is tested.
-    kw.setdefault("max_num_batched_tokens", kw["max_model_len"])
+    kw = sized_llm_kwargs(
+        path,
+        {**arch_kwargs, **(llm_kwargs or {})},
+        [s.n_tokens for s in samples],
+        budgets,
+    )
     prompts = [s.prompt for s in samples]
 
     import vllm

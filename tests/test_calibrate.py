@@ -1,0 +1,181 @@
+"""`uniprefill calibrate`: prompts, recommendation and output; end to end on the tiny Llama."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from uniprefill.cli import main
+from uniprefill.eval.calibrate import (
+    DEFAULT_TOP_PS,
+    file_prompts,
+    format_calibration,
+    recommend,
+    switch_config,
+)
+
+
+def _words(text: str) -> int:
+    return len(text.split()) + 1
+
+
+def test_file_prompts_jsonl_and_json(tmp_path: Path) -> None:
+    jsonl = tmp_path / "p.jsonl"
+    rows = [
+        {"prompt": "a b c", "answers": ["c"], "max_tokens": 5, "task": "mine"},
+        {"prompt": "d e", "answers": "e"},
+        {"prompt": "f"},
+    ]
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    ps = file_prompts(jsonl, _words, None)
+    assert [p.answers for p in ps] == [("c",), ("e",), None]
+    assert [p.max_tokens for p in ps] == [5, 32, 32]
+    assert [p.n_tokens for p in ps] == [4, 3, 2]
+    assert ps[0].task == "mine" and ps[1].task == "file"
+    as_list = tmp_path / "p.json"
+    as_list.write_text(json.dumps(rows))
+    assert file_prompts(as_list, _words, 7)[2].max_tokens == 7
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "x"}))
+    with pytest.raises(ValueError, match="prompt"):
+        file_prompts(bad, _words, None)
+
+
+def _config(top_p: float, diff: float, speed: float, *, low: float | None = None) -> dict:
+    return {
+        "top_p": top_p,
+        "label": f"top_p={top_p:g}",
+        "diff": diff,
+        "ci_low": diff - 1 if low is None else low,
+        "within_budget": diff >= -0.5,
+        "dropped_prefills": 3,
+        "work_share": 1 / speed,
+        "predictions": [{"speedup_vs_eager": speed}],
+    }
+
+
+def test_recommend_takes_the_fastest_within_budget() -> None:
+    configs = [
+        _config(0.9, -3.0, 2.5),
+        _config(0.99, -0.4, 1.8),
+        _config(0.995, 0.0, 1.5),
+        _config(0.999, 0.0, 1.2),
+    ]
+    assert recommend(configs, [131072]) == {"top_p": 0.99, "label": "top_p=0.99"}
+    # Equal predicted speed: the higher top_p (keeps more).
+    tie = [_config(0.99, 0.0, 1.0), _config(0.999, 0.0, 1.0)]
+    assert recommend(tie, [131072])["top_p"] == 0.999
+    # Nothing dropped anywhere, or nothing within budget: no recommendation.
+    none = [{**_config(0.99, 0.0, 1.0), "dropped_prefills": 0}]
+    assert recommend(none, [131072]) is None
+    assert recommend([_config(0.9, -3.0, 2.5)], [131072]) is None
+
+
+def test_switch_config_reports_an_engine_that_cannot_switch() -> None:
+    class NoRuntime:
+        def collective_rpc(self, fn, args=()):
+            return [None]
+
+    class Switches:
+        def collective_rpc(self, fn, args=()):
+            return [{"config": args[0]}]
+
+    assert switch_config(NoRuntime(), {"top_p": 0.9}) is False
+    assert switch_config(Switches(), {"top_p": 0.9}) is True
+
+
+def test_calibrate_tiny_llama_end_to_end(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The default grid on the built-in tiny Llama, as a user would run it."""
+    out_json, out_png = tmp_path / "cal.json", tmp_path / "cal.png"
+    assert main(["calibrate", "llama", "--json", str(out_json), "--plot", str(out_png)]) == 0
+    captured = capfd.readouterr()
+    result = json.loads(out_json.read_text())
+
+    assert [c["top_p"] for c in result["configs"]] == list(DEFAULT_TOP_PS)
+    assert result["family"] == "llama" and result["num_layers"] == 6
+    assert result["prompts"]["count"] == 5  # one 1K prompt per task
+    for c in result["configs"]:
+        assert c["drop_layers"] == [1, 2, 3, 4]
+        assert len(c["kept_per_layer"]) == 4
+        assert all(k is None or 0.0 < k <= 1.0 for k in c["kept_per_layer"])
+        assert c["ci_low"] <= c["diff"] <= c["ci_high"]
+        assert 0.0 < c["work_share"] <= 1.0
+        assert [p["length"] for p in c["predictions"]] == [8192, 32768, 131072]
+        for p in c["predictions"]:
+            assert p["speedup_vs_eager"] > 0 and "H200" in p["source"]
+    # A lower top_p never keeps more (same prompts, same engine).
+    works = [c["work_share"] for c in result["configs"]]
+    assert all(a <= b + 0.02 for a, b in zip(works, works[1:], strict=False))
+    assert result["configs"][0]["dropped_prefills"] > 0
+    # Random weights score 0 dense: every setting is "within budget", and the output says
+    # that this proves nothing.
+    assert result["recommended"] is not None
+    assert any("cannot do these tasks" in w for w in result["warnings"])
+    assert len(result["samples"]) == 5 and "top_p=0.9" in result["samples"][0]["runs"]
+
+    out = captured.out
+    assert "| top_p | score | diff vs dense [95% CI]" in out
+    assert "H200 TTFT speedup vs vLLM at 8K / 32K / 128K" in out
+    assert "recommended: top_p" in out and "serve it with: uniprefill serve" in out
+    assert format_calibration(result) in out
+    # Progress on stderr; the plot, or a clear message where matplotlib is missing.
+    assert "[7/7] top_p=0.999" in captured.err
+    if importlib.util.find_spec("matplotlib"):
+        assert out_png.stat().st_size > 0
+    else:
+        assert not out_png.exists()
+        assert "matplotlib is not installed" in captured.err
+
+
+def _full(top_p: float, diff: float, kept: float, dropped: int) -> dict:
+    pred = {"length": 131072, "speedup_vs_eager": 1 / kept, "speedup_vs_compiled": 1 / kept}
+    return {
+        **_config(top_p, diff, 1 / kept),
+        "score": 40.0 + diff,
+        "ci_high": diff + 1,
+        "worse": 1,
+        "better": 0,
+        "same_output": 0.5,
+        "kept_per_layer": [kept, None],
+        "final_kept_share": kept,
+        "dropped_prefills": dropped,
+        "predictions": [{**pred, "notes": ["length outside the measured 8K-128K"]}],
+    }
+
+
+def _result(configs: list[dict]) -> dict:
+    return {
+        "model": "m",
+        "model_path": "/models/m",
+        "architectures": ["LlamaForCausalLM"],
+        "num_layers": 30,
+        "family": "llama",
+        "shape": "Llama-3.1-8B shape",
+        "predict_lengths": [131072],
+        "prompts": {"count": 20, "source": "ruler-style suite", "lengths": [4096]},
+        "dense": {"score": 40.0},
+        "budget": 0.5,
+        "criterion": "mean",
+        "configs": configs,
+        "recommended": recommend(configs, [131072]),
+        "uniprefill_config": {"drop_layers": [14, 22]},
+        "warnings": ["w1"],
+    }
+
+
+def test_format_calibration_says_what_to_run() -> None:
+    text = format_calibration(_result([_full(0.99, -3.0, 0.2, 5), _full(0.999, -0.2, 0.6, 5)]))
+    row = next(line for line in text.splitlines() if line.startswith("| 0.999"))
+    assert "**recommended**" in row and "0.60 -" in row and "| yes |" in row
+    assert "serve it with: uniprefill serve /models/m --top-p 0.999 --drop-layers 14,22" in text
+    assert "Prediction notes: length outside the measured 8K-128K." in text
+    assert text.endswith("warning: w1")
+
+    lossy = format_calibration(_result([_full(0.99, -3.0, 0.2, 5)]))
+    assert "no setting that drops tokens stays within 0.5 points" in lossy
+    assert "top_p above 0.99" in lossy
+    idle = format_calibration(_result([_full(0.99, 0.0, 1.0, 0)]))
+    assert "no setting dropped a token" in idle
