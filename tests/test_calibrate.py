@@ -74,17 +74,16 @@ def test_recommend_takes_the_fastest_within_budget() -> None:
     assert recommend([_config(0.9, -3.0, 2.5)], [131072]) is None
 
 
-def test_switch_config_reports_an_engine_that_cannot_switch() -> None:
-    class NoRuntime:
-        def collective_rpc(self, fn, args=()):
-            return [None]
+def test_switch_config_calls_the_plugins_named_rpc() -> None:
+    calls = []
 
-    class Switches:
-        def collective_rpc(self, fn, args=()):
+    class Engine:
+        def collective_rpc(self, method, args=()):
+            calls.append((method, args))
             return [{"config": args[0]}]
 
-    assert switch_config(NoRuntime(), {"top_p": 0.9}) is False
-    assert switch_config(Switches(), {"top_p": 0.9}) is True
+    assert switch_config(Engine(), {"top_p": 0.9}) is True
+    assert calls == [("uniprefill_configure", ({"top_p": 0.9},))]
 
 
 def test_calibrate_tiny_llama_end_to_end(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:

@@ -22,7 +22,6 @@ when UniPrefill's output equals the dense output exactly).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,31 +107,11 @@ def file_prompts(path: Path, counter: Any, max_new_tokens: int | None) -> list[P
 
 
 # ---- switching the setting inside the running engine --------------------------------------
-def _set_config(worker: Any, cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """Runs in the worker (collective_rpc): swap UniPrefill's settings between passes.
-
-    Returns ``None`` when this worker holds no UniPrefill runtime under the attribute
-    this release uses; the caller then starts a new engine per setting instead.
-    """
-    from uniprefill.config import UniPrefillConfig
-
-    rt = getattr(getattr(worker, "model_runner", None), "_uniprefill", None)
-    if rt is None or not hasattr(rt, "config"):
-        return None
-    new = UniPrefillConfig.from_dict(cfg)
-    if new.drop_layers is not None and tuple(new.drop_layers) != tuple(rt.drop_layers):
-        raise ValueError(f"drop_layers {new.drop_layers} != installed {rt.drop_layers}")
-    rt.config = new
-    return {"config": new.to_dict(), "drop_layers": list(rt.drop_layers)}
-
-
 def switch_config(llm: Any, cfg: dict[str, Any]) -> bool:
-    """Set UniPrefill's settings on every worker of a running engine; False if unsupported."""
-    try:
-        results = llm.collective_rpc(_set_config, args=(cfg,))
-    except (AttributeError, TypeError, RuntimeError):
-        return False
-    return bool(results) and all(r is not None for r in results)
+    """Set UniPrefill's settings on every worker of a running engine (the plugin's RPC)."""
+    from uniprefill.vllm.worker import CONFIGURE_METHOD
+
+    return bool(llm.collective_rpc(CONFIGURE_METHOD, args=(cfg,)))
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -203,27 +182,18 @@ def run_calibration(
     kw = sized_llm_kwargs(
         path, {**arch_kwargs, **(llm_kwargs or {})}, [p.n_tokens for p in prompts], budgets
     )
-    # Switching settings calls a function in the worker; vLLM pickles callables only with
-    # this set (needed when the engine core runs in its own process).
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-
     passes = [1.0, *top_ps]
     runs: dict[float, EngineRun] = {}
     notes: list[str] = []
     llm = None
-    switching = True
     try:
         for i, p in enumerate(passes):
             cfg = {**base, "top_p": p}
             print(f"[{i + 1}/{len(passes)}] {_label(p)} ...", file=log, flush=True)
-            if llm is not None and switching and not switch_config(llm, cfg):
-                switching = False
-                notes.append("settings could not be switched in the engine: one engine each")
-            if llm is not None and not switching:
-                stop_engine(llm)
-                llm = None
             if llm is None:
                 llm, _ = start_engine(path, llm_kwargs=kw, additional_config={"uniprefill": cfg})
+            else:
+                switch_config(llm, cfg)  # one engine: the next step uses the new top_p
             runs[p] = generate(
                 llm, texts, budgets, progress=progress, desc=_label(p), warmup=(i == 0)
             )
