@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import gc
 import json
 import os
 import platform
-import random
 import re
 import statistics
 import subprocess
@@ -44,133 +42,27 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    KB,
+    LOG_PREFIX,
+    MODELS,
+    batch_prompts,
+    build_model_dir,
+    close_llm,
+    hf_config,
+    log,
+    wait_gpu_free,
+)
+
+LOG_PREFIX[0] = "bench_ttft"
+
 # The optional torch profiler (--profile-length) calls functions inside the worker
 # (collective_rpc with a callable): vLLM only pickles callables when this is set.
 # Mode switching uses the plugin's named RPC and needs nothing.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-KB = 1024
-
-# ---- model shapes ---------------------------------------------------------------------------
-# name -> (family, builder kwargs, engine defaults). Drop layers: the family default
-# unless given. Qwen3-Next: 16 of 48 layers (full attention at 3, 7, 11, 15) so
-# that 512 experts fit one H200; drops at 3, 7, 11 put 75% of the layers after the
-# first drop (the real 48-layer schedule 7, 11, ..., 43 puts 83% there).
-MODELS: dict[str, dict[str, Any]] = {
-    "llama8b": {"family": "llama", "budget_tokens": 256 * KB, "drop_layers": None},
-    "qwen3next": {"family": "qwen3_next", "budget_tokens": 256 * KB, "drop_layers": [3, 7, 11]},
-    "gemma3": {"family": "gemma3", "budget_tokens": 128 * KB, "drop_layers": None},
-    # CPU smoke test: tiny shapes, same code path.
-    "tiny-llama": {"family": "llama", "budget_tokens": 4 * KB, "drop_layers": None},
-}
-
-
-def hf_config(name: str, max_pos: int) -> Any:
-    """The transformers config of ``name`` (no weights)."""
-    if name == "llama8b":
-        from transformers import LlamaConfig
-
-        cfg = LlamaConfig(
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=max(max_pos, 131072),
-            rms_norm_eps=1e-5,
-            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-            tie_word_embeddings=False,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        )
-        cfg.architectures = ["LlamaForCausalLM"]
-    elif name == "gemma3":
-        from transformers import Gemma3TextConfig
-
-        n = 48
-        cfg = Gemma3TextConfig(
-            vocab_size=262208,
-            hidden_size=3840,
-            intermediate_size=15360,
-            num_hidden_layers=n,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=256,
-            sliding_window=1024,
-            layer_types=[
-                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)
-            ],
-            query_pre_attn_scalar=256,
-            max_position_embeddings=max(max_pos, 131072),
-            tie_word_embeddings=True,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        )
-        cfg.architectures = ["Gemma3ForCausalLM"]
-    elif name == "qwen3next":
-        from transformers import Qwen3NextConfig
-
-        n = 16
-        cfg = Qwen3NextConfig(
-            vocab_size=151936,
-            hidden_size=2048,
-            intermediate_size=5120,
-            num_hidden_layers=n,
-            num_attention_heads=16,
-            num_key_value_heads=2,
-            head_dim=256,
-            layer_types=[
-                "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)
-            ],
-            full_attention_interval=4,
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_num_key_heads=16,
-            linear_num_value_heads=32,
-            num_experts=512,
-            num_experts_per_tok=10,
-            moe_intermediate_size=512,
-            shared_expert_intermediate_size=512,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-            partial_rotary_factor=0.25,
-            max_position_embeddings=max(max_pos, 262144),
-            tie_word_embeddings=False,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        )
-        cfg.architectures = ["Qwen3NextForCausalLM"]
-    elif name == "tiny-llama":
-        from uniprefill.testing.tiny_models import tiny_config
-
-        cfg = tiny_config("llama", max_position_embeddings=max(max_pos, 4096))
-        cfg.architectures = ["LlamaForCausalLM"]
-    else:
-        raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
-    return cfg
-
-
-def build_model_dir(name: str, root: Path, max_pos: int, dtype: str) -> Path:
-    """config.json + tokenizer only; vLLM's dummy loader makes the weights."""
-    from uniprefill.testing.tiny_models import build_tiny_tokenizer
-
-    out = root / name
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = hf_config(name, max_pos)
-    cfg.dtype = dtype
-    cfg.save_pretrained(str(out))
-    if not (out / "tokenizer.json").exists():
-        build_tiny_tokenizer(out)
-    return out
 
 
 # ---- modes -------------------------------------------------------------------------------------
@@ -272,42 +164,6 @@ def _profile_stop(worker: Any, trace_path: str | None, top: int) -> dict[str, An
     }
 
 
-# ---- helpers -------------------------------------------------------------------------------------
-def log(msg: str) -> None:
-    print(f"[bench_ttft {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def gpu_used_mib() -> int | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return int(out.stdout.split()[0])
-    except Exception:
-        return None
-
-
-def wait_gpu_free(limit_mib: int = 4000, timeout_s: float = 60.0) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        used = gpu_used_mib()
-        if used is None or used < limit_mib:
-            return
-        time.sleep(1.0)
-    log(f"warning: GPU still holds {gpu_used_mib()} MiB after {timeout_s:.0f} s")
-
-
-def batch_prompts(length: int, conc: int, seed: int) -> list[dict[str, Any]]:
-    rng = random.Random(seed)
-    # ids 5..999: inside the tiny tokenizer's vocab (1024) and every model's.
-    return [
-        {"prompt_token_ids": [rng.randrange(5, 1000) for _ in range(length)]} for _ in range(conc)
-    ]
-
-
 def stats_delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:
     if not before or not after:
         return None
@@ -358,15 +214,6 @@ def run_batch(llm: Any, sp: Any, prompts: list[dict[str, Any]]) -> dict[str, Any
     if any(t is None for t in ttfts):
         ttfts, src = [wall] * len(outs), "wall"
     return {"wall_s": wall, "ttft_s": ttfts, "ttft_source": src}
-
-
-def close_llm(llm: Any) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception as e:  # noqa: BLE001
-        log(f"shutdown: {e!r}")
-    del llm
-    gc.collect()
 
 
 def skipped(patterns: list[str], model: str, conc: int, length: int) -> bool:
@@ -465,7 +312,7 @@ class Sweep:
         log(f"env: {info}")
 
     def start_engine(self, name: str, mdir: Path, compiled: bool = False) -> Any:
-        """The sweep's engine (eager, plugin loaded and switched per mode), or with
+        """The sweep's engine (plugin on, switched per mode; eager with --eager), or with
         ``compiled`` plain vLLM as users run it by default: no ``uniprefill`` entry (the
         plugin stays off), torch.compile and CUDA graphs on."""
         import vllm
@@ -475,7 +322,7 @@ class Sweep:
         budget = a.budget_tokens or spec["budget_tokens"]
         max_len = max(a.lengths) + 64
         kwargs: dict[str, Any] = dict(
-            enforce_eager=True,
+            enforce_eager=a.eager,
             enable_prefix_caching=False,
             max_model_len=max_len,
             max_num_batched_tokens=max(budget, max_len),
@@ -1124,6 +971,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only the compiled plain-vLLM dense engine (for models whose two engines do "
         "not fit one device call); compare with an eager run's JSON via --plot-from",
+    )
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="run the sweep's UniPrefill engine with enforce_eager (the default is vLLM's "
+        "own: torch.compile + CUDA graphs, with dropping steps eager)",
     )
     p.add_argument("--profile-modes", default="dense,keep0.3")
     p.add_argument("--profile-trace", action="store_true", help="also write a gzipped chrome trace")

@@ -167,7 +167,10 @@ def select_tokens(
         raise ValueError("score_allreduce must be None or a callable")
 
     if impl == "auto":
-        impl = "triton" if _triton_usable(q.device) else "reference"
+        # The interpreter (TRITON_INTERPRET=1, e.g. on CPU test machines) runs Triton
+        # correctly but slowly: "auto" takes it only on a GPU.
+        on_gpu = q.device.type == "cuda"
+        impl = "triton" if on_gpu and _triton_usable(q.device) else "reference"
     if impl == "triton" and not _triton_usable(q.device):
         raise ValueError("impl='triton' needs a CUDA device and an importable triton")
     num_tokens = q.shape[0]
