@@ -71,14 +71,27 @@ def arch_model(request: Any) -> tuple[str, Path]:
     return request.param, request.getfixturevalue(f"tiny_{request.param}")
 
 
+def _staggered_prompts() -> list[dict[str, Any]]:
+    return _prompts((500, 20, 700, 300), seed=1)
+
+
 @pytest.fixture(scope="module")
-def dense_tokens(arch_model: tuple[str, Path]) -> list[list[int]]:
+def dense_runs(arch_model: tuple[str, Path]) -> dict[str, Any]:
+    """Dense vLLM, one engine per architecture: every reference the tests below need."""
     arch, path = arch_model
     llm = _llm(path, arch, None)
     try:
-        return _tokens(llm.generate(_prompts(), _greedy()))
+        return {
+            "tokens": _tokens(llm.generate(_prompts(), _greedy())),
+            "staggered_16": _tokens(llm.generate(_staggered_prompts(), _greedy(16))),
+        }
     finally:
         _close(llm)
+
+
+@pytest.fixture(scope="module")
+def dense_tokens(dense_runs: dict[str, Any]) -> list[list[int]]:
+    return dense_runs["tokens"]
 
 
 def test_top_p_one_equals_dense(arch_model: tuple[str, Path], dense_tokens: list[list[int]]):
@@ -103,7 +116,7 @@ def dropping_llm(arch_model: tuple[str, Path]) -> Iterator[tuple[str, Any]]:
 def _run_staggered(llm: Any) -> tuple[dict[str, list[int]], list[int]]:
     """Prompts join while earlier ones decode; returns tokens and records seen mid-run."""
     engine = llm.llm_engine
-    prompts = _prompts((500, 20, 700, 300), seed=1)
+    prompts = _staggered_prompts()
     arrivals = {0: [0], 2: [1, 2], 4: [3]}  # step -> prompts submitted before it
     outputs: dict[str, list[int]] = {}
     records = []
@@ -131,7 +144,7 @@ def test_mixed_batch_equals_solo_and_frees_lengths(dropping_llm: tuple[str, Any]
     assert after["dropped_prefills"] - before["dropped_prefills"] == 3  # the short one never drops
 
     solo = {}
-    for i, p in enumerate(_prompts((500, 20, 700, 300), seed=1)):
+    for i, p in enumerate(_staggered_prompts()):
         solo[f"r{i}"] = _tokens(llm.generate([p], _greedy(8)))[0]
     assert staggered == solo
     # vLLM tells the worker about finished requests in the next step's scheduler
@@ -150,6 +163,44 @@ def test_abort_frees_lengths(dropping_llm: tuple[str, Any]):
     engine.abort_request(["gone"])
     llm.generate(_prompts((10,), seed=4), _greedy(2))  # any later step forgets it
     assert collect(llm)["records"] == 0
+
+
+# ---- the comparisons above can fail ------------------------------------------------------
+# A random model can decode one token forever (the tied-embedding tiny Gemma 3 did): every
+# token comparison then passes whatever the plugin does. The fixtures check that greedy
+# output is varied (uniprefill.testing.assert_varied_greedy); these tests show, on the very
+# prompts compared above, that a deliberate change makes each comparison fail.
+
+
+def test_top_p_comparison_can_fail(dropping_llm: tuple[str, Any], dense_tokens: list[list[int]]):
+    """``top_p_one_equals_dense`` run at top_p 0.9 instead of 1.0 would fail: real drops
+    change the long prompts' tokens, and only those (the 24-token prompt is never dropped).
+    A wrong decode length would fail too: the tokens are no constant sequence."""
+    _, llm = dropping_llm
+    before = collect(llm)["dropped_prefills"]
+    got = _tokens(llm.generate(_prompts(), _greedy()))
+    assert collect(llm)["dropped_prefills"] - before == 2
+    assert got != dense_tokens
+    short = PROMPT_LENS.index(24)
+    assert got[short] == dense_tokens[short]
+    assert any(got[i] != dense_tokens[i] for i in range(len(PROMPT_LENS)) if i != short)
+    for t in dense_tokens:  # one decode step more or less: shifted tokens do not match
+        assert t[1:] != t[:-1] and len(set(t)) >= MAX_TOKENS // 2
+
+
+def test_mixed_batch_comparison_can_fail(dropping_llm: tuple[str, Any], dense_runs: dict[str, Any]):
+    """``mixed_batch_equals_solo`` would fail if the batch mixed up requests (every solo
+    run differs from every other), lost or repeated a decode step (shifted tokens differ),
+    or ran the staggered prompts dense: dense tokens differ from dropped ones (within 16
+    tokens; on Gemma 3 and Qwen3-Next already within the 8 compared, on Llama from the 9th)."""
+    _, llm = dropping_llm
+    dropped = _tokens(llm.generate(_staggered_prompts(), _greedy(16)))
+    first8 = [t[:8] for t in dropped]  # what the mixed-batch test compares
+    assert all(a != b for i, a in enumerate(first8) for b in first8[i + 1 :])
+    assert all(t[1:] != t[:-1] for t in first8)
+    dense = dense_runs["staggered_16"]
+    assert dropped[1] == dense[1]  # 20 tokens: never dropped
+    assert any(t != d for t, d in zip(dropped, dense, strict=True))
 
 
 HF_CFG = {"drop_layers": [1, 3], "keep_ratio": 0.3, **SMALL}
