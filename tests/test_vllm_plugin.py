@@ -7,6 +7,7 @@ What must hold:
   prompt token, decode over each layer's own kept set;
 * a mixed batch whose prompts arrive while others decode gives each request the
   tokens it gets alone, and the per-layer length table is empty afterwards;
+* beam search (one-token requests with logprobs) runs dense: dense vLLM's beams;
 * bad configuration fails at start-up with a message naming the setting.
 """
 
@@ -75,6 +76,23 @@ def _staggered_prompts() -> list[dict[str, Any]]:
     return _prompts((500, 20, 700, 300), seed=1)
 
 
+# Long enough to drop at every step of a beam search (prompt plus the beam's tokens).
+BEAM_PROMPTS = {"lens": (300, 200), "seed": 7}
+BEAM = {"beam_width": 2, "max_tokens": 4}
+
+
+def _beams(llm: Any) -> list[list[tuple[list[int], float]]]:
+    """Each prompt's beams (tokens after the prompt, cumulative logprob), best first."""
+    from vllm.sampling_params import BeamSearchParams
+
+    prompts = _prompts(BEAM_PROMPTS["lens"], seed=BEAM_PROMPTS["seed"])
+    outs = llm.beam_search(prompts, BeamSearchParams(**BEAM))
+    return [
+        [(list(s.tokens[len(p["prompt_token_ids"]) :]), s.cum_logprob) for s in o.sequences]
+        for p, o in zip(prompts, outs, strict=True)
+    ]
+
+
 @pytest.fixture(scope="module")
 def dense_runs(arch_model: tuple[str, Path]) -> dict[str, Any]:
     """Dense vLLM, one engine per architecture: every reference the tests below need."""
@@ -84,6 +102,7 @@ def dense_runs(arch_model: tuple[str, Path]) -> dict[str, Any]:
         return {
             "tokens": _tokens(llm.generate(_prompts(), _greedy())),
             "staggered_16": _tokens(llm.generate(_staggered_prompts(), _greedy(16))),
+            "beams": _beams(llm),
         }
     finally:
         _close(llm)
@@ -201,6 +220,31 @@ def test_mixed_batch_comparison_can_fail(dropping_llm: tuple[str, Any], dense_ru
     dense = dense_runs["staggered_16"]
     assert dropped[1] == dense[1]  # 20 tokens: never dropped
     assert any(t != d for t, d in zip(dropped, dense, strict=True))
+
+
+def test_one_token_requests_still_drop(dropping_llm: tuple[str, Any]):
+    """Only one-token requests *with* logprobs (beam search steps) run dense: a plain
+    one-token request, as in a TTFT benchmark, drops."""
+    _, llm = dropping_llm
+    before = collect(llm)["dropped_prefills"]
+    sp = vllm.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    llm.generate(_prompts((400,), seed=8), sp)
+    assert collect(llm)["dropped_prefills"] - before == 1
+
+
+@pytest.mark.xfail(strict=True, reason="wired by the integration rewrite")
+def test_beam_search_runs_dense(dropping_llm: tuple[str, Any], dense_runs: dict[str, Any]):
+    """vLLM's beam search re-prefills prompt + beam tokens as a new one-token request with
+    logprobs at every step; such requests run dense (uniprefill.vllm.requests.runs_dense),
+    so beam search returns exactly dense vLLM's beams and drops nothing."""
+    _, llm = dropping_llm
+    before = collect(llm)["dropped_prefills"]
+    got = _beams(llm)
+    assert collect(llm)["dropped_prefills"] == before
+    want = dense_runs["beams"]
+    assert [[t for t, _ in b] for b in got] == [[t for t, _ in b] for b in want]
+    for g, w in zip(got, want, strict=True):
+        assert [lp for _, lp in g] == pytest.approx([lp for _, lp in w], rel=1e-3, abs=1e-3)
 
 
 HF_CFG = {"drop_layers": [1, 3], "keep_ratio": 0.3, **SMALL}
