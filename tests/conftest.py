@@ -2,6 +2,8 @@
 
 Built once per cache key (see ``uniprefill.testing.cached_tiny_model``); set
 ``UNIPREFILL_CACHE`` to move the cache. vLLM must find no hub: offline by default.
+Each fixture checks that the model's greedy decoding is varied (a model that repeats
+one token makes every token comparison pass whatever the plugin does).
 """
 
 from __future__ import annotations
@@ -22,22 +24,24 @@ from uniprefill.cpu_triton import enable as _enable_cpu_triton  # noqa: E402
 _enable_cpu_triton()
 
 
+def _varied(arch: str) -> Path:
+    from uniprefill.testing import assert_varied_greedy, cached_tiny_model
+
+    path = cached_tiny_model(arch)  # type: ignore[arg-type]
+    assert_varied_greedy(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_llama() -> Path:
-    from uniprefill.testing import cached_tiny_model
-
-    return cached_tiny_model("llama")
+    return _varied("llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_gemma3() -> Path:
-    from uniprefill.testing import cached_tiny_model
-
-    return cached_tiny_model("gemma3")
+    return _varied("gemma3")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_next() -> Path:
-    from uniprefill.testing import cached_tiny_model
-
-    return cached_tiny_model("qwen3_next")
+    return _varied("qwen3_next")

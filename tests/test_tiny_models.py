@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from uniprefill.testing import build_tiny_model, cached_tiny_model, tiny_config, vllm_kwargs
+from uniprefill.testing import (
+    assert_varied_greedy,
+    build_tiny_model,
+    cached_tiny_model,
+    tiny_config,
+    vllm_kwargs,
+)
 
 pytest.importorskip("transformers")
 
@@ -34,6 +40,9 @@ def test_gemma3_config(tiny_gemma3: Path) -> None:
     assert all(t == "full_attention" for i, t in enumerate(types) if (i + 1) % 3 == 0)
     assert cfg["sliding_window"] == 64
     assert cfg["num_key_value_heads"] < cfg["num_attention_heads"]
+    # Untied (a random tied Gemma 3 repeats one token) and a scale != 1/sqrt(head_dim).
+    assert cfg["tie_word_embeddings"] is False
+    assert cfg["query_pre_attn_scalar"] != cfg["head_dim"]
 
 
 def test_qwen3_next_config(tiny_qwen3_next: Path) -> None:
@@ -83,3 +92,13 @@ def test_cache_reuses_directory(tmp_path: Path) -> None:
 def test_unknown_arch() -> None:
     with pytest.raises(ValueError, match="unknown tiny arch"):
         tiny_config("mamba")  # type: ignore[arg-type]
+
+
+def test_varied_greedy_check_catches_a_repeating_model(tmp_path: Path) -> None:
+    """The previous tiny Gemma 3 (tied embeddings, scale 1/sqrt(head_dim)) decoded one
+    token forever; the fixtures' check must refuse such a model."""
+    old = build_tiny_model(
+        "gemma3", tmp_path / "tied", tie_word_embeddings=True, query_pre_attn_scalar=32
+    )
+    with pytest.raises(AssertionError, match="distinct tokens in 64"):
+        assert_varied_greedy(old)

@@ -7,6 +7,7 @@ What must hold:
   prompt token, decode over each layer's own kept set;
 * a mixed batch whose prompts arrive while others decode gives each request the
   tokens it gets alone, and the per-layer length table is empty afterwards;
+* beam search (one-token requests with logprobs) runs dense: dense vLLM's beams;
 * bad configuration fails at start-up with a message naming the setting.
 """
 
@@ -71,14 +72,45 @@ def arch_model(request: Any) -> tuple[str, Path]:
     return request.param, request.getfixturevalue(f"tiny_{request.param}")
 
 
+def _staggered_prompts() -> list[dict[str, Any]]:
+    return _prompts((500, 20, 700, 300), seed=1)
+
+
+# Long enough to drop at every step of a beam search (prompt plus the beam's tokens).
+BEAM_PROMPTS = {"lens": (300, 200), "seed": 7}
+BEAM = {"beam_width": 2, "max_tokens": 4}
+
+
+def _beams(llm: Any) -> list[list[tuple[list[int], float]]]:
+    """Each prompt's beams (tokens after the prompt, cumulative logprob), best first."""
+    from vllm.sampling_params import BeamSearchParams
+
+    prompts = _prompts(BEAM_PROMPTS["lens"], seed=BEAM_PROMPTS["seed"])
+    outs = llm.beam_search(prompts, BeamSearchParams(**BEAM))
+    return [
+        [(list(s.tokens[len(p["prompt_token_ids"]) :]), s.cum_logprob) for s in o.sequences]
+        for p, o in zip(prompts, outs, strict=True)
+    ]
+
+
 @pytest.fixture(scope="module")
-def dense_tokens(arch_model: tuple[str, Path]) -> list[list[int]]:
+def dense_runs(arch_model: tuple[str, Path]) -> dict[str, Any]:
+    """Dense vLLM, one engine per architecture: every reference the tests below need."""
     arch, path = arch_model
     llm = _llm(path, arch, None)
     try:
-        return _tokens(llm.generate(_prompts(), _greedy()))
+        return {
+            "tokens": _tokens(llm.generate(_prompts(), _greedy())),
+            "staggered_16": _tokens(llm.generate(_staggered_prompts(), _greedy(16))),
+            "beams": _beams(llm),
+        }
     finally:
         _close(llm)
+
+
+@pytest.fixture(scope="module")
+def dense_tokens(dense_runs: dict[str, Any]) -> list[list[int]]:
+    return dense_runs["tokens"]
 
 
 def test_top_p_one_equals_dense(arch_model: tuple[str, Path], dense_tokens: list[list[int]]):
@@ -103,7 +135,7 @@ def dropping_llm(arch_model: tuple[str, Path]) -> Iterator[tuple[str, Any]]:
 def _run_staggered(llm: Any) -> tuple[dict[str, list[int]], list[int]]:
     """Prompts join while earlier ones decode; returns tokens and records seen mid-run."""
     engine = llm.llm_engine
-    prompts = _prompts((500, 20, 700, 300), seed=1)
+    prompts = _staggered_prompts()
     arrivals = {0: [0], 2: [1, 2], 4: [3]}  # step -> prompts submitted before it
     outputs: dict[str, list[int]] = {}
     records = []
@@ -131,7 +163,7 @@ def test_mixed_batch_equals_solo_and_frees_lengths(dropping_llm: tuple[str, Any]
     assert after["dropped_prefills"] - before["dropped_prefills"] == 3  # the short one never drops
 
     solo = {}
-    for i, p in enumerate(_prompts((500, 20, 700, 300), seed=1)):
+    for i, p in enumerate(_staggered_prompts()):
         solo[f"r{i}"] = _tokens(llm.generate([p], _greedy(8)))[0]
     assert staggered == solo
     # vLLM tells the worker about finished requests in the next step's scheduler
@@ -150,6 +182,69 @@ def test_abort_frees_lengths(dropping_llm: tuple[str, Any]):
     engine.abort_request(["gone"])
     llm.generate(_prompts((10,), seed=4), _greedy(2))  # any later step forgets it
     assert collect(llm)["records"] == 0
+
+
+# ---- the comparisons above can fail ------------------------------------------------------
+# A random model can decode one token forever (the tied-embedding tiny Gemma 3 did): every
+# token comparison then passes whatever the plugin does. The fixtures check that greedy
+# output is varied (uniprefill.testing.assert_varied_greedy); these tests show, on the very
+# prompts compared above, that a deliberate change makes each comparison fail.
+
+
+def test_top_p_comparison_can_fail(dropping_llm: tuple[str, Any], dense_tokens: list[list[int]]):
+    """``top_p_one_equals_dense`` run at top_p 0.9 instead of 1.0 would fail: real drops
+    change the long prompts' tokens, and only those (the 24-token prompt is never dropped).
+    A wrong decode length would fail too: the tokens are no constant sequence."""
+    _, llm = dropping_llm
+    before = collect(llm)["dropped_prefills"]
+    got = _tokens(llm.generate(_prompts(), _greedy()))
+    assert collect(llm)["dropped_prefills"] - before == 2
+    assert got != dense_tokens
+    short = PROMPT_LENS.index(24)
+    assert got[short] == dense_tokens[short]
+    assert any(got[i] != dense_tokens[i] for i in range(len(PROMPT_LENS)) if i != short)
+    for t in dense_tokens:  # one decode step more or less: shifted tokens do not match
+        assert t[1:] != t[:-1] and len(set(t)) >= MAX_TOKENS // 2
+
+
+def test_mixed_batch_comparison_can_fail(dropping_llm: tuple[str, Any], dense_runs: dict[str, Any]):
+    """``mixed_batch_equals_solo`` would fail if the batch mixed up requests (every solo
+    run differs from every other), lost or repeated a decode step (shifted tokens differ),
+    or ran the staggered prompts dense: dense tokens differ from dropped ones (within 16
+    tokens; on Gemma 3 and Qwen3-Next already within the 8 compared, on Llama from the 9th)."""
+    _, llm = dropping_llm
+    dropped = _tokens(llm.generate(_staggered_prompts(), _greedy(16)))
+    first8 = [t[:8] for t in dropped]  # what the mixed-batch test compares
+    assert all(a != b for i, a in enumerate(first8) for b in first8[i + 1 :])
+    assert all(t[1:] != t[:-1] for t in first8)
+    dense = dense_runs["staggered_16"]
+    assert dropped[1] == dense[1]  # 20 tokens: never dropped
+    assert any(t != d for t, d in zip(dropped, dense, strict=True))
+
+
+def test_one_token_requests_still_drop(dropping_llm: tuple[str, Any]):
+    """Only one-token requests *with* logprobs (beam search steps) run dense: a plain
+    one-token request, as in a TTFT benchmark, drops."""
+    _, llm = dropping_llm
+    before = collect(llm)["dropped_prefills"]
+    sp = vllm.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    llm.generate(_prompts((400,), seed=8), sp)
+    assert collect(llm)["dropped_prefills"] - before == 1
+
+
+@pytest.mark.xfail(strict=True, reason="wired by the integration rewrite")
+def test_beam_search_runs_dense(dropping_llm: tuple[str, Any], dense_runs: dict[str, Any]):
+    """vLLM's beam search re-prefills prompt + beam tokens as a new one-token request with
+    logprobs at every step; such requests run dense (uniprefill.vllm.requests.runs_dense),
+    so beam search returns exactly dense vLLM's beams and drops nothing."""
+    _, llm = dropping_llm
+    before = collect(llm)["dropped_prefills"]
+    got = _beams(llm)
+    assert collect(llm)["dropped_prefills"] == before
+    want = dense_runs["beams"]
+    assert [[t for t, _ in b] for b in got] == [[t for t, _ in b] for b in want]
+    for g, w in zip(got, want, strict=True):
+        assert [lp for _, lp in g] == pytest.approx([lp for _, lp in w], rel=1e-3, abs=1e-3)
 
 
 HF_CFG = {"drop_layers": [1, 3], "keep_ratio": 0.3, **SMALL}

@@ -2,18 +2,24 @@
 
 from uniprefill.testing.tiny_models import (
     ARCHS,
+    assert_varied_greedy,
     build_tiny_model,
     build_tiny_tokenizer,
     cached_tiny_model,
+    greedy_tokens,
+    random_prompt,
     tiny_config,
     vllm_kwargs,
 )
 
 __all__ = [
     "ARCHS",
+    "assert_varied_greedy",
     "build_tiny_model",
     "build_tiny_tokenizer",
     "cached_tiny_model",
+    "greedy_tokens",
+    "random_prompt",
     "tiny_config",
     "vllm_kwargs",
 ]

@@ -21,7 +21,8 @@ Arch = Literal["llama", "gemma3", "qwen3_next"]
 ARCHS: tuple[str, ...] = ("llama", "gemma3", "qwen3_next")
 
 # Bump when a build's output changes for the same arguments, so caches are not reused.
-BUILD_VERSION = 1
+# 2: Gemma 3 untied and with sharper attention (its greedy decode was one repeated token).
+BUILD_VERSION = 2
 
 VOCAB_SIZE = 1024
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
@@ -139,13 +140,20 @@ def tiny_config(
         from transformers import Gemma3TextConfig
 
         # A full-attention layer every 3rd layer (2, 5, ...): both kinds present even at 3 layers.
+        # Real Gemma 3 ties its embeddings, but a random tied model decodes one token
+        # repeated forever (the residual stream echoes the input token's embedding, which
+        # the tied head then scores highest), so every token comparison on it would pass
+        # whatever the plugin did. Untied, and with attention sharper than 1/sqrt(head_dim)
+        # (query_pre_attn_scalar 8 < head_dim 32, so the next token depends on particular
+        # context tokens), greedy output is varied: see ``assert_varied_greedy``. The
+        # scalar != head_dim also checks that the plugin scores with the layer's own scale.
         kw.update(
             sliding_window=64,
             layer_types=[
                 "full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(n)
             ],
-            query_pre_attn_scalar=32,
-            tie_word_embeddings=True,
+            query_pre_attn_scalar=8,
+            tie_word_embeddings=False,
         )
         kw.update(overrides)
         cfg = Gemma3TextConfig(**kw)
@@ -221,6 +229,69 @@ def build_tiny_model(
     model.save_pretrained(str(out_dir), safe_serialization=True)
     build_tiny_tokenizer(out_dir)
     return out_dir
+
+
+def random_prompt(length: int, seed: int = 0) -> list[int]:
+    """``length`` random token ids in [5, 900), as the end-to-end tests' prompts."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(5, 900) for _ in range(length)]
+
+
+def greedy_tokens(
+    path: Path, prompt_ids: list[int], new_tokens: int, *, dtype: str = "float32"
+) -> list[int]:
+    """``new_tokens`` greedy tokens after ``prompt_ids``, from plain Hugging Face transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def assert_varied_greedy(
+    path: Path,
+    *,
+    dtype: str | None = None,
+    prompt_len: int = 128,
+    new_tokens: int = 64,
+    min_distinct: int = 20,
+    seed: int = 0,
+) -> int:
+    """Fail unless greedy decoding of the model at ``path`` is varied; return the count.
+
+    A random model can fall into one token repeated forever (the tied-embedding Gemma 3
+    did), and then every token comparison on it passes whatever the plugin does. This
+    decodes ``new_tokens`` greedy tokens after a random prompt with Hugging Face
+    transformers (seconds on a tiny model, no vLLM) and asks for at least
+    ``min_distinct`` distinct ones. ``dtype`` defaults to the one the tests serve the
+    model in (:func:`vllm_kwargs`), bf16 for Qwen3-Next.
+    """
+    if dtype is None:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        arch = _ARCH_OF_MODEL_TYPE.get(cfg.get("model_type", ""))
+        dtype = vllm_kwargs(arch)["dtype"] if arch else "float32"  # type: ignore[arg-type]
+    tokens = greedy_tokens(path, random_prompt(prompt_len, seed), new_tokens, dtype=dtype)
+    distinct = len(set(tokens))
+    assert distinct >= min_distinct, (
+        f"{path}: greedy decoding gives only {distinct} distinct tokens in {new_tokens} "
+        f"(want >= {min_distinct}): token comparisons on this model would mean nothing; "
+        f"tokens: {tokens}"
+    )
+    return distinct
+
+
+_ARCH_OF_MODEL_TYPE = {"llama": "llama", "gemma3_text": "gemma3", "qwen3_next": "qwen3_next"}
 
 
 def cache_root() -> Path:

@@ -109,7 +109,9 @@ class UniPrefillStateMixin:
         prompt = list(new_req_data.prompt_token_ids or ())
         prefill = new_req_data.prefill_token_ids
         rt = self.uniprefill
-        rt.table.add(req_index, new_req_data.req_id, len(prompt), runs_dense(new_req_data))
+        rt.table.add(
+            req_index, new_req_data.req_id, len(prompt), runs_dense(new_req_data.sampling_params)
+        )
         if prefill is not None and len(prefill) > len(prompt):
             rt.stats.restarted += 1  # resumed after a preemption: prompt + outputs, dense
 
