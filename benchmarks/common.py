@@ -127,13 +127,22 @@ def hf_config(name: str, max_pos: int) -> Any:
     return cfg
 
 
-def build_model_dir(name: str, root: Path, max_pos: int, dtype: str) -> Path:
-    """config.json + tokenizer only; vLLM's dummy loader makes the weights."""
+def build_model_dir(
+    name: str, root: Path, max_pos: int, dtype: str, num_layers: int | None = None
+) -> Path:
+    """config.json + tokenizer only; vLLM's dummy loader makes the weights.
+
+    ``num_layers`` keeps the first layers of the shape (faster start-up for checks).
+    """
     from uniprefill.testing.tiny_models import build_tiny_tokenizer
 
-    out = root / name
+    out = root / (name if num_layers is None else f"{name}-{num_layers}l")
     out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(name, max_pos)
+    if num_layers is not None:
+        cfg.num_hidden_layers = num_layers
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = cfg.layer_types[:num_layers]
     cfg.dtype = dtype
     cfg.save_pretrained(str(out))
     if not (out / "tokenizer.json").exists():
@@ -141,7 +150,6 @@ def build_model_dir(name: str, root: Path, max_pos: int, dtype: str) -> Path:
     return out
 
 
-# ---- helpers -------------------------------------------------------------------------------------
 LOG_PREFIX = ["bench"]
 
 

