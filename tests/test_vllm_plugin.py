@@ -232,7 +232,6 @@ def test_one_token_requests_still_drop(dropping_llm: tuple[str, Any]):
     assert collect(llm)["dropped_prefills"] - before == 1
 
 
-@pytest.mark.xfail(strict=True, reason="wired by the integration rewrite")
 def test_beam_search_runs_dense(dropping_llm: tuple[str, Any], dense_runs: dict[str, Any]):
     """vLLM's beam search re-prefills prompt + beam tokens as a new one-token request with
     logprobs at every step; such requests run dense (uniprefill.vllm.requests.runs_dense),

@@ -4,6 +4,7 @@
 # .carry/deps3 holds loguru (compressed-tensors needs it; Qwen3-Next imports that).
 # usage (carry=[".carry/deps", ".carry/deps3"] the first time; nothing later):
 #   bash benchmarks/gpu/run_ttft.sh --models llama8b --lengths 8K,32K ...
+#   bash benchmarks/gpu/run_ttft.sh benchmarks/bench_serving.py --model llama8b   (any script)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
@@ -29,5 +30,7 @@ eps = [e.value for e in m.entry_points(group="vllm.general_plugins")]
 print("vllm", vllm.__version__, "plugins", eps)
 assert "uniprefill.vllm.plugin:register" in eps
 PY
-python3 benchmarks/bench_ttft.py --out "$OUT" "$@" 2>&1 | tee "$OUT/run.log"
+script=benchmarks/bench_ttft.py
+if [[ "${1:-}" == *.py ]]; then script=$1; shift; fi
+python3 "$script" --out "$OUT" "$@" 2>&1 | tee "$OUT/run.log"
 exit "${PIPESTATUS[0]}"

@@ -130,15 +130,27 @@ def start_engine(
     path: Path, *, llm_kwargs: dict[str, Any], additional_config: dict[str, Any] | None
 ) -> tuple[Any, float]:
     """A ``vllm.LLM`` for ``path`` (eager, prefix caching off) and its start-up seconds."""
-    # In-process engine core: faster start on CPU, and no spawn of a __main__-less caller.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
     kwargs = {"enforce_eager": True, **llm_kwargs, "enable_prefix_caching": False}
     if additional_config is not None:
         kwargs["additional_config"] = additional_config
+    # In-process engine core: faster start on CPU, and no spawn of a __main__-less caller.
+    # Only for this engine: the variable must not leak into the caller's later engines.
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    before = os.environ.get(key)
+    os.environ.setdefault(key, "0")
     t0 = time.perf_counter()
-    llm = LLM(str(path), **kwargs)
+    try:
+        llm = LLM(str(path), **kwargs)
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+            # The in-process engine core froze vLLM's environment variables; let later
+            # engines of this process read them again.
+            import vllm.envs as envs
+
+            getattr(envs, "disable_envs_cache", lambda: None)()
     return llm, time.perf_counter() - t0
 
 
