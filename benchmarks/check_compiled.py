@@ -52,6 +52,9 @@ def engine_kwargs(name: str, a: argparse.Namespace) -> dict[str, Any]:
         kw["additional_config"] = {"uniprefill": {**up, "top_p": 1.0}}
     elif name.startswith("keep"):
         kw["additional_config"] = {"uniprefill": {**up, "keep_ratio": 0.5}}
+    if a.model == "qwen3next" and not a.smoke_cpu:
+        # vLLM 0.26's default SM90 GDN prefill kernel is not on the H200 image.
+        kw.setdefault("additional_config", {})["gdn_prefill_backend"] = "triton"
     if name == "keep_pw":
         kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     if name == "keep_eager":

@@ -17,6 +17,7 @@ never changes vLLM.
 
 from __future__ import annotations
 
+import glob
 import os
 from pathlib import Path
 
@@ -35,9 +36,9 @@ def needed() -> bool:
     spec = find_spec("triton")
     if spec is None or not spec.submodule_search_locations:
         return False
-    import torch
-
-    if torch.cuda.is_available():
+    # A GPU machine (NVIDIA or AMD device nodes): never. No torch.cuda call here: it
+    # would initialise CUDA in this process, and vLLM's forked engine could not.
+    if glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"):
         return False
     return not (Path(spec.submodule_search_locations[0]) / "backends" / "cpu").exists()
 
