@@ -190,8 +190,10 @@ class StageBatch:
     qlen: np.ndarray  # [R] tokens of each row alive in this stage
     ctx: np.ndarray  # [R] tokens already in this stage's KV, per row
     positions: torch.Tensor  # [T] original positions of the alive tokens
-    query_start_loc: torch.Tensor  # device int32 [R_padded + 1]
-    seq_lens: torch.Tensor  # device int32 [R_padded]
+    query_start_loc_np: np.ndarray  # int32 [R_padded + 1] (padding rows are empty)
+    seq_lens_np: np.ndarray  # int32 [R_padded]
+    query_start_loc: torch.Tensor  # the same two on the device
+    seq_lens: torch.Tensor
 
     @classmethod
     def build(
@@ -207,6 +209,8 @@ class StageBatch:
             qlen=qlen,
             ctx=ctx,
             positions=positions,
+            query_start_loc_np=qsl,
+            seq_lens_np=seq,
             query_start_loc=torch.from_numpy(qsl).to(dev, non_blocking=True),
             seq_lens=torch.from_numpy(seq).to(dev, non_blocking=True),
         )
@@ -214,22 +218,15 @@ class StageBatch:
     def input_batch(self, batch: Any) -> Any:
         """``batch`` with its token fields replaced by this stage's."""
         _check_unused(batch)
-        num_tokens = int(self.qlen.sum())
-        qsl_host = np.zeros(len(self.qlen) + 1, dtype=np.int32)
-        np.cumsum(self.qlen, out=qsl_host[1:])
-        padded = batch.num_reqs_after_padding
-        qsl_np = np.full(padded + 1, qsl_host[-1], dtype=np.int32)
-        qsl_np[: len(qsl_host)] = qsl_host
-        upper = torch.zeros(padded, dtype=torch.int32)
-        upper[: len(self.qlen)] = torch.from_numpy((self.ctx + self.qlen).astype(np.int32))
+        num_tokens = int(self.query_start_loc_np[-1])
         values = {
             "num_tokens": num_tokens,
             "num_tokens_after_padding": num_tokens,
             "num_scheduled_tokens": self.qlen.astype(batch.num_scheduled_tokens.dtype),
             "query_start_loc": self.query_start_loc,
-            "query_start_loc_np": qsl_np,
+            "query_start_loc_np": self.query_start_loc_np,
             "seq_lens": self.seq_lens,
-            "seq_lens_cpu_upper_bound": upper,
+            "seq_lens_cpu_upper_bound": torch.from_numpy(self.seq_lens_np),
             "num_computed_tokens_np": self.ctx.astype(batch.num_computed_tokens_np.dtype),
             "positions": self.positions,
             "is_padding": torch.zeros(num_tokens, dtype=torch.bool, device=self.positions.device),
