@@ -300,25 +300,52 @@ def test_tensor_parallel_ranks_agree_and_match_reference(tiny_llama: Path, monke
     assert per_rank[0]["kept_tokens"] == kept
 
 
-def test_chunked_prompts_run_dense(tiny_llama: Path):
-    """A prompt split over steps cannot be scored (a chunk sees only its own keys): it
-    must run exactly as dense vLLM does, while a prompt fitting in one step still drops."""
-    prompts = _prompts((700, 24, 200), seed=5)
+# 520 tokens at a 256-token budget: chunks of 256, 256 and 8 (fewer than last_q: the
+# scored queries span two chunks); the 300-token prompt starts beside that last chunk.
+CHUNKED_PROMPTS = {"lens": (520, 24, 300), "seed": 5}
+
+
+def test_chunked_prompt_drops_as_in_one_step(arch_model: tuple[str, Path]):
+    """A prompt prefilled over 3+ steps drops exactly what it drops in one step: the
+    same tokens, the same kept counts at every drop layer, and nothing left stashed."""
+    arch, path = arch_model
+    prompts = _prompts(CHUNKED_PROMPTS["lens"], seed=CHUNKED_PROMPTS["seed"])
+    cfg = {"top_p": 0.9, "drop_layers": DROP_LAYERS[arch], **SMALL}
+    runs = {}
+    for budget in (2048, 256):
+        llm = _llm(path, arch, cfg, max_num_batched_tokens=budget)
+        try:
+            runs[budget] = (_tokens(llm.generate(prompts, _greedy(12))), collect(llm))
+        finally:
+            _close(llm)
+    (whole, whole_stats), (chunked, chunked_stats) = runs[2048], runs[256]
+    assert whole_stats["chunked_prefills"] == 0
+    assert chunked_stats["chunked_prefills"] == 2  # the 520- and the 300-token prompt
+    assert chunked_stats["dropped_prefills"] == whole_stats["dropped_prefills"] >= 2
+    assert chunked_stats["kept_tokens"] == whole_stats["kept_tokens"]
+    assert chunked_stats["seen_tokens"] == whole_stats["seen_tokens"]
+    assert chunked_stats["stashed"] == 0 and chunked_stats["stash_full"] == 0
+    assert chunked == whole
+
+
+def test_full_stash_runs_dense(tiny_llama: Path):
+    """With no stash room a chunked prompt runs exactly as dense vLLM runs it."""
+    prompts = _prompts((700,), seed=5)
     chunked = {"max_num_batched_tokens": 256}
     dense = _llm(tiny_llama, "llama", None, **chunked)
     try:
         want = _tokens(dense.generate(prompts, _greedy()))
     finally:
         _close(dense)
-    llm = _llm(tiny_llama, "llama", {"top_p": 0.9, "drop_layers": [1, 3], **SMALL}, **chunked)
+    cfg = {"top_p": 0.9, "drop_layers": [1, 3], "max_stash_tokens": 600, **SMALL}
+    llm = _llm(tiny_llama, "llama", cfg, **chunked)
     try:
-        got = _tokens(llm.generate(prompts[:2], _greedy()))
-        assert collect(llm)["dropped_prefills"] == 0
-        llm.generate(prompts[2:], _greedy())  # 200 tokens: one step, droppable
-        assert collect(llm)["dropped_prefills"] == 1
+        got = _tokens(llm.generate(prompts, _greedy()))
+        stats = collect(llm)
     finally:
         _close(llm)
-    assert got == want[:2]
+    assert stats["dropped_prefills"] == 0 and stats["stash_full"] == 1
+    assert got == want
 
 
 def test_preempted_requests_restart_cleanly(tiny_llama: Path):

@@ -54,6 +54,9 @@ class UniPrefillConfig:
     layer; ``None`` means the model family's default schedule. ``keep_ratio``
     replaces top-p by "keep this fraction of blocks" (benchmarking only: it
     makes speed independent of what random weights attend to).
+    ``max_stash_tokens`` bounds the tokens of prompts prefilled in chunks that wait
+    for their last chunk (about 18 KB per token on a Llama-8B shape); a prompt that
+    does not fit when it starts runs dense.
     """
 
     top_p: float = DEFAULT_TOP_P
@@ -63,6 +66,9 @@ class UniPrefillConfig:
     drop_layers: tuple[int, ...] | None = None
     keep_ratio: float | None = None
     min_prompt_len: int = 0
+    # Tokens of chunked prompts held between their chunks (None: max_model_len; 0:
+    # chunked prompts run dense).
+    max_stash_tokens: int | None = None
     enabled: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -73,6 +79,11 @@ class UniPrefillConfig:
         mpl = self.min_prompt_len
         if isinstance(mpl, bool) or not isinstance(mpl, int) or mpl < 0:
             raise ValueError(f"min_prompt_len must be an integer >= 0, got {self.min_prompt_len!r}")
+        mst = self.max_stash_tokens
+        if mst is not None and (isinstance(mst, bool) or not isinstance(mst, int) or mst < 0):
+            raise ValueError(
+                f"max_stash_tokens must be None or an integer >= 0, got {self.max_stash_tokens!r}"
+            )
         if not isinstance(self.enabled, bool):
             raise ValueError(f"enabled must be true or false, got {self.enabled!r}")
         if self.drop_layers is not None:

@@ -101,12 +101,4 @@ def check_vllm_config(vllm_config: Any, cfg: UniPrefillConfig, user_hma_off: Any
         if not sched.disable_hybrid_kv_cache_manager:
             sched.disable_hybrid_kv_cache_manager = True
             logger.info("uniprefill: hybrid KV cache manager turned off (sliding window)")
-    if sched.max_num_batched_tokens < model_config.max_model_len:
-        logger.warning(
-            "uniprefill: max_num_batched_tokens=%d < max_model_len=%d: prompts longer than "
-            "max_num_batched_tokens are prefilled in chunks and run dense (no tokens "
-            "dropped). Raise --max-num-batched-tokens to accelerate them.",
-            sched.max_num_batched_tokens,
-            model_config.max_model_len,
-        )
     logger.info("uniprefill enabled: %s", cfg.to_dict())

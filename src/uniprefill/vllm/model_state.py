@@ -109,15 +109,19 @@ class UniPrefillStateMixin:
         prompt = list(new_req_data.prompt_token_ids or ())
         prefill = new_req_data.prefill_token_ids
         rt = self.uniprefill
-        rt.table.add(
-            req_index, new_req_data.req_id, len(prompt), runs_dense(new_req_data.sampling_params)
+        # A request resumed after a preemption prefills prompt + outputs: dense.
+        restarted = prefill is not None and len(prefill) > len(prompt)
+        rt.add_request(
+            req_index,
+            new_req_data.req_id,
+            len(prompt),
+            restarted or runs_dense(new_req_data.sampling_params),
         )
-        if prefill is not None and len(prefill) > len(prompt):
-            rt.stats.restarted += 1  # resumed after a preemption: prompt + outputs, dense
+        rt.stats.restarted += int(restarted)
 
     def remove_request(self, req_id: str) -> None:
         super().remove_request(req_id)  # type: ignore[misc]
-        self.uniprefill.table.remove(req_id)
+        self.uniprefill.remove_request(req_id)
 
     # ---- attention metadata ------------------------------------------------------------------
     def prepare_attn(

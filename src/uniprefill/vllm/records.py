@@ -33,6 +33,10 @@ class DropStats:
     # Requests vLLM recomputed from scratch after a preemption (their prefill, prompt
     # plus generated tokens, runs dense).
     restarted: int = 0
+    # Prompts prefilled over several steps that were scored in their last chunk, and
+    # chunked prompts that ran dense because the stash had no room for them.
+    chunked_prefills: int = 0
+    stash_full: int = 0
 
     def __post_init__(self) -> None:
         self.seen = [0] * len(self.drop_layers)
@@ -49,6 +53,8 @@ class DropStats:
             "kept_tokens": list(self.kept),
             "dropped_prefills": self.dropped_prefills,
             "restarted": self.restarted,
+            "chunked_prefills": self.chunked_prefills,
+            "stash_full": self.stash_full,
         }
 
 

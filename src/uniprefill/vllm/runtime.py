@@ -9,6 +9,12 @@ attention metadata for the later layers.
 Per drop layer, on the device: the selection operator (one host sync, for the kept
 count) and a gather of hidden states, residual and positions. On the host: the
 lengths of every row in the next stage, from numbers the step already holds.
+
+A prompt longer than one step (chunked prefill) is dropped exactly as if it had
+come in one step: its earlier chunks run stage 0 and leave their state in a
+:class:`~uniprefill.vllm.stash.StashStore`, keeping two placeholder tokens in later
+stages; its last chunk scores the whole prompt at the first drop layer and carries
+the kept tokens of every chunk through the later layers.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 
 from uniprefill.config import UniPrefillConfig
 from uniprefill.vllm.records import DropStats, RequestTable
+from uniprefill.vllm.stash import StashedChunk, StashStore
 
 logger = logging.getLogger("vllm.uniprefill")
 
@@ -33,6 +40,34 @@ class StageRebuilder(Protocol):
     def __call__(
         self, step: StepContext, stage: int, qlen: np.ndarray, ctx: np.ndarray
     ) -> None: ...
+
+
+# Tokens an earlier chunk keeps in each later stage: its KV and linear-attention state
+# writes there are overwritten by the last chunk. Two, not one: a one-token row would
+# pass for a decode, and vLLM's Mamba metadata wants decodes ahead of prefills.
+PLACEHOLDER_TOKENS = 2
+
+
+def stash_reserve_bytes(
+    capacity: int,
+    max_tokens: int,
+    hidden_size: int,
+    act_bytes: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+) -> int:
+    """Device memory of a full stash plus the last chunk's extended copies (a bound).
+
+    Per stashed token: hidden state, residual, key and position. The last chunk
+    builds, for the stash and its own tokens, one copy of hidden and residual
+    (the gather source) and the scoring q/k.
+    """
+    per_token = 2 * hidden_size * act_bytes + num_kv_heads * head_size * act_bytes + 8
+    ext = (capacity + max_tokens) * (
+        2 * hidden_size * act_bytes + (num_q_heads + num_kv_heads) * head_size * act_bytes
+    )
+    return capacity * per_token + ext
 
 
 def compaction_reserve_bytes(
@@ -66,8 +101,12 @@ class StepContext:
     slots: np.ndarray  # [R] request slots (vLLM's req_index) of the batch rows
     qlen0: np.ndarray  # [R] scheduled tokens per row
     ctx0: np.ndarray  # [R] tokens computed before this step
-    droppable: np.ndarray  # bool [R]
+    droppable: np.ndarray  # bool [R] rows scored at the drop layers
     dropped: np.ndarray  # [R, S+1] prompt tokens dropped before each stage, earlier steps
+    # Chunked prompts: rows whose chunk goes into the stash (not the last chunk), and
+    # per row the stashed tokens the last chunk scores with its own (0 elsewhere).
+    stashing: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    stash_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # Layer name -> slot mapping to put into the forward context before the forward
     # (decode rows of compacted requests write K/V at their compacted offsets).
     slot_overrides: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -79,18 +118,48 @@ class StepContext:
     pending: Any = None  # Selection from the current drop layer's attention
     num_tokens_padded: int = 0  # rows of the model input (vLLM may pad past num_tokens)
     kept_at: np.ndarray | None = None  # [R, S+1] tokens of each row alive in each stage
+    # Set at the first drop layer when a last chunk reads its stash.
+    extended: _Extended | None = None
+    # Row -> (keys, tail queries) of a stashing row, taken at the drop layer's attention
+    # until its gather point completes the chunk.
+    chunk_keys: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.qlen = self.qlen0.copy()
+        if len(self.stashing) == 0:
+            self.stashing = np.zeros(len(self.qlen0), dtype=bool)
+            self.stash_len = np.zeros(len(self.qlen0), dtype=np.int64)
 
     @property
     def dropping(self) -> bool:
         """Whether a row may drop tokens this step (the forward then runs staged)."""
-        return bool(self.droppable.any())
+        return bool(self.droppable.any() or self.stashing.any())
+
+    @property
+    def prefill_len(self) -> np.ndarray:
+        """Tokens each row's selection chooses from (the whole prompt for a last chunk)."""
+        return self.qlen0 + self.stash_len
+
+    @property
+    def later_kv_empty(self) -> np.ndarray:
+        """Rows with nothing of theirs in the later stages' KV before this step."""
+        return (self.ctx0 == 0) | self.stashing | (self.stash_len > 0)
 
     @property
     def compacted(self) -> bool:
         return self.gather_total is not None
+
+
+@dataclass
+class _Extended:
+    """The first drop layer's token set when last chunks bring their stashed tokens.
+
+    Rows are laid out as the selection saw them (each last chunk's stash ahead of its
+    own tokens); ``to_source`` maps those tokens into ``[step rows ; stashes]``.
+    """
+
+    to_source: torch.Tensor  # [sum(prefill_len)] int64
+    slots: list[int]  # request slots whose stashes follow the step's rows, in order
 
 
 class UniPrefillRuntime:
@@ -104,12 +173,14 @@ class UniPrefillRuntime:
         max_num_reqs: int,
         score_allreduce: Callable[[torch.Tensor], None] | None = None,
         select_fn: Callable[..., Any] | None = None,
+        stash_tokens: int = 0,
     ) -> None:
         self.config = config
         self.drop_layers = tuple(drop_layers)
         self.stage_of_drop = {layer: s for s, layer in enumerate(self.drop_layers)}
         self.num_stages = len(self.drop_layers) + 1
         self.table = RequestTable(max_num_reqs, self.num_stages, device)
+        self.stash = StashStore(stash_tokens)
         self.stats = DropStats(self.drop_layers)
         self.device = device
         self.score_allreduce = score_allreduce
@@ -119,6 +190,17 @@ class UniPrefillRuntime:
             select_fn = select_tokens
         self._select = select_fn
         self.step: StepContext | None = None
+
+    # ---- requests (model state) ----------------------------------------------------------
+    def add_request(self, slot: int, req_id: str, prompt_len: int, runs_dense: bool) -> None:
+        self.stash.release(slot)
+        self.table.add(slot, req_id, prompt_len, runs_dense)
+
+    def remove_request(self, req_id: str) -> None:
+        slot = self.table.slot_of.get(req_id)
+        if slot is not None:
+            self.stash.release(slot)  # finished, aborted or preempted mid-prompt
+        self.table.remove(req_id)
 
     # ---- planning (model state, before the forward) -----------------------------------
     def plan(
@@ -134,18 +216,37 @@ class UniPrefillRuntime:
         slots = np.asarray(slots, dtype=np.int64)
         qlen0 = np.asarray(qlen0, dtype=np.int64)
         ctx0 = np.asarray(ctx0, dtype=np.int64)
-        # A row drops only if its whole prompt is in this step (the operator then sees
-        # every key) and nothing of it was computed before: a chunk continuation or a
-        # recompute after preemption (prompt + generated tokens) runs dense.
-        droppable = (
-            (ctx0 == 0)
-            & (qlen0 == self.table.prompt_len[slots])
-            & (qlen0 > cfg.sink + cfg.last_q)
-            & (qlen0 >= cfg.min_prompt_len)
+        prompt = self.table.prompt_len[slots]
+        end = ctx0 + qlen0
+        eligible = (
+            (prompt > cfg.sink + cfg.last_q)
+            & (prompt >= cfg.min_prompt_len)
             & ~self.table.runs_dense[slots]
         )
-        if not may_drop or (cfg.top_p >= 1.0 and cfg.keep_ratio is None):
-            droppable[:] = False  # p = 1 keeps every block: the dense path, exactly
+        if cfg.top_p >= 1.0 and cfg.keep_ratio is None:
+            eligible[:] = False  # p = 1 keeps every block: the dense path, exactly
+        # Chunks after the first of a prompt whose first chunk opened a stash. A
+        # recompute after preemption (prompt + generated tokens) runs dense.
+        in_stash = np.fromiter((int(s) in self.stash for s in slots), bool, len(slots))
+        continued = in_stash & (ctx0 > 0)
+        if continued.any() and not may_drop:
+            raise RuntimeError(
+                "uniprefill: a chunk of a prompt being prefilled in chunks landed in a "
+                "step that replays a FULL CUDA graph; run with cudagraph_mode "
+                "FULL_AND_PIECEWISE or PIECEWISE, or max_stash_tokens=0"
+            )
+        droppable = eligible & (ctx0 == 0) & (qlen0 == prompt) & may_drop
+        stashing = continued & (end < prompt)
+        last_chunk = continued & (end == prompt)
+        stash_len = np.zeros(len(slots), dtype=np.int64)
+        for r in np.flatnonzero(last_chunk):
+            stash_len[r] = self.stash.get(int(slots[r])).num_tokens
+        droppable |= last_chunk
+        for r in np.flatnonzero(eligible & (ctx0 == 0) & (qlen0 < prompt) & may_drop):
+            if self.stash.open(int(slots[r]), int(prompt[r])):
+                stashing[r] = True
+            else:
+                self.stats.stash_full += 1
         self.step = StepContext(
             req_ids=list(req_ids),
             slots=slots,
@@ -153,6 +254,8 @@ class UniPrefillRuntime:
             ctx0=ctx0,
             droppable=droppable,
             dropped=self.table.dropped[slots],
+            stashing=stashing,
+            stash_len=stash_len,
         )
         return self.step
 
@@ -185,15 +288,24 @@ class UniPrefillRuntime:
         if step is None or layer_idx not in self.stage_of_drop:
             return
         cfg = self.config
-        rows = step.droppable & (step.qlen > cfg.sink + cfg.last_q)
-        if not rows.any():
-            return
         qsl = _query_start(step.qlen)
         n = int(qsl[-1])
+        q = query[:n].view(n, num_heads, head_size)
+        k = key[:n].view(n, num_kv_heads, head_size)
+        lens = step.qlen
+        if self.stage_of_drop[layer_idx] == 0:
+            if step.stashing.any():
+                self._stash_keys(step, q, k, qsl)
+            if step.stash_len.any():
+                q, k, lens = self._extend_scoring(step, q, k, qsl)
+                qsl = _query_start(lens)
+        rows = step.droppable & (lens > cfg.sink + cfg.last_q)
+        if not rows.any():
+            return
         dev = query.device
         step.pending = self._select(
-            query[:n].view(n, num_heads, head_size),
-            key[:n].view(n, num_kv_heads, head_size),
+            q,
+            k,
             torch.from_numpy(qsl.astype(np.int32)).to(dev, non_blocking=True),
             top_p=cfg.top_p,
             block_size=cfg.block_size,
@@ -214,40 +326,147 @@ class UniPrefillRuntime:
             return hidden_states, residual
         sel, step.pending = step.pending, None
         stage = self.stage_of_drop[layer_idx] + 1
-        if sel is not None and sel.num_kept < int(step.qlen.sum()):
-            hidden_states, residual = self._compact(step, sel, stage, hidden_states, residual)
+        if stage == 1 and (step.stashing.any() or step.extended is not None):
+            hidden_states, residual = self._gather_chunks(step, sel, hidden_states, residual)
+        elif sel is not None and sel.num_kept < int(step.qlen.sum()):
+            new_qlen = self._kept_lengths(sel)
+            self._count(step, stage, step.qlen, new_qlen)
+            hidden_states, residual = self._compact(
+                step, sel.gather_idx, new_qlen, stage, hidden_states, residual
+            )
         elif sel is not None:
-            self._count(step, stage, step.qlen)
+            self._count(step, stage, step.qlen, step.qlen)
         if (step.compacted or step.dropped[:, stage].any()) and step.rebuild is not None:
-            # Rows compacted this step start from an empty KV; the others keep their
-            # context minus what earlier steps dropped before this stage.
-            step.rebuild(step, stage, step.qlen, step.ctx0 - step.dropped[:, stage])
+            # Rows with nothing in the later stages' KV yet (a prompt compacted this
+            # step, or still arriving in chunks) start there from an empty KV; the
+            # others keep their context minus what earlier steps dropped before this stage.
+            ctx = np.where(step.later_kv_empty, 0, step.ctx0 - step.dropped[:, stage])
+            step.rebuild(step, stage, step.qlen, ctx)
         return hidden_states, residual
 
     def finish_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Record this step's drops and put the final hidden states back at their rows.
 
         Dropped rows get zeros; vLLM only reads the rows of each request's last
-        scheduled token, and those are always kept (the last ``last_q`` tokens).
+        scheduled token, and those are always kept (the last ``last_q`` tokens, or
+        an earlier chunk's placeholders). Stashed tokens have no row of the step's
+        input: they land in a spare row that is cut off.
         """
         step = self.step
         if step is None or step.kept_at is None:  # kept_at is set by the first compaction
             return hidden_states
         self._record(step)
-        out = hidden_states.new_zeros((step.num_tokens_padded, *hidden_states.shape[1:]))
-        out.index_copy_(0, step.gather_total, hidden_states)
-        return out
+        rows = step.num_tokens_padded
+        out = hidden_states.new_zeros((rows + 1, *hidden_states.shape[1:]))
+        out.index_copy_(0, step.gather_total.clamp(max=rows), hidden_states)
+        return out[:rows]
 
     # ---- internals ------------------------------------------------------------------------
+    def _stash_keys(
+        self, step: StepContext, q: torch.Tensor, k: torch.Tensor, qsl: np.ndarray
+    ) -> None:
+        """Keep this chunk's drop-layer keys (and queries among the prompt's last last_q)."""
+        last_q = self.config.last_q
+        for r in np.flatnonzero(step.stashing):
+            a, b = int(qsl[r]), int(qsl[r + 1])
+            prompt = int(self.table.prompt_len[step.slots[r]])
+            tail = min(b - a, max(0, int(step.ctx0[r]) + (b - a) - (prompt - last_q)))
+            step.chunk_keys[int(r)] = (k[a:b].clone(), q[b - tail : b].clone() if tail else None)
+
+    def _extend_scoring(
+        self, step: StepContext, q: torch.Tensor, k: torch.Tensor, qsl: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """q/k of every row, each last chunk's stashed tokens ahead of its own.
+
+        Only a row's last ``last_q`` queries are scored; the other stashed query rows
+        are zeros.
+        """
+        qs: list[torch.Tensor] = []
+        ks: list[torch.Tensor] = []
+        to_source: list[np.ndarray] = []
+        slots: list[int] = []
+        source_off = step.num_tokens_padded
+        for r in range(len(step.qlen)):
+            a, b = int(qsl[r]), int(qsl[r + 1])
+            n_stash = int(step.stash_len[r])
+            if n_stash:
+                stash = self.stash.get(int(step.slots[r]))
+                tails = [c.tail_queries for c in stash.chunks if c.tail_queries is not None]
+                n_tail = sum(t.shape[0] for t in tails)
+                qs += [q.new_zeros((n_stash - n_tail, *q.shape[1:])), *tails]
+                ks.append(stash.cat("keys"))
+                to_source.append(np.arange(source_off, source_off + n_stash))
+                source_off += n_stash
+                slots.append(int(step.slots[r]))
+            qs.append(q[a:b])
+            ks.append(k[a:b])
+            to_source.append(np.arange(a, b))
+        index = torch.from_numpy(np.concatenate(to_source).astype(np.int64))
+        step.extended = _Extended(index.to(q.device, non_blocking=True), slots)
+        return torch.cat(qs), torch.cat(ks), step.prefill_len
+
+    def _gather_chunks(
+        self, step: StepContext, sel: Any, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first gather point of a step with chunked prompts.
+
+        Earlier chunks go into the stash and keep only placeholders; last chunks take
+        their kept tokens from the stash and from this step alike.
+        """
+        ext = step.extended
+        lens = step.prefill_len  # at the first gather point: this step's tokens + stashes
+        if sel is not None:
+            new_qlen, idx = self._kept_lengths(sel), sel.gather_idx
+        else:
+            new_qlen, idx = lens.copy(), None
+        self._count(step, 1, lens, new_qlen)
+        if step.stashing.any():
+            qsl = _query_start(step.qlen)
+            assert step.positions is not None
+            for r, (keys, tail_queries) in step.chunk_keys.items():
+                a, b = int(qsl[r]), int(qsl[r + 1])
+                chunk = StashedChunk(
+                    hidden=hidden[a:b].clone(),
+                    residual=residual[a:b].clone(),
+                    positions=step.positions[a:b].clone(),
+                    keys=keys,
+                    tail_queries=tail_queries,
+                )
+                self.stash.get(int(step.slots[r])).chunks.append(chunk)
+            step.chunk_keys = {}
+            # Of a stashing row (kept whole by the selection) keep its last tokens only.
+            keep = np.where(step.stashing, np.minimum(new_qlen, PLACEHOLDER_TOKENS), new_qlen)
+            end = np.cumsum(new_qlen)
+            picks = np.concatenate([np.arange(e - n, e) for e, n in zip(end, keep, strict=True)])
+            pick = torch.from_numpy(picks.astype(np.int64)).to(hidden.device, non_blocking=True)
+            if idx is None:
+                idx = pick
+            else:
+                idx = idx[pick]
+            new_qlen = keep
+        assert idx is not None
+        if ext is not None:
+            idx = ext.to_source[idx]
+            stashes = [self.stash.get(slot) for slot in ext.slots]
+            hidden = torch.cat([hidden, *(s.cat("hidden") for s in stashes)])
+            residual = torch.cat([residual, *(s.cat("residual") for s in stashes)])
+            assert step.positions is not None
+            step.positions = torch.cat([step.positions, *(s.cat("positions") for s in stashes)])
+            for slot in ext.slots:
+                self.stash.release(slot)
+            self.stats.chunked_prefills += len(ext.slots)
+        return self._compact(step, idx, new_qlen, 1, hidden, residual)
+
     def _record(self, step: StepContext) -> None:
         rows = np.flatnonzero(step.droppable)
         assert step.kept_at is not None
-        dropped = step.qlen0[rows, None] - step.kept_at[rows]
+        prefill = step.prefill_len[rows]
+        dropped = prefill[:, None] - step.kept_at[rows]
+        dropped[:, 0] = 0
         self.table.record(step.slots[rows], dropped)
-        for r, d in zip(rows, dropped, strict=True):
+        for r, d, prompt in zip(rows, dropped, prefill, strict=True):
             if d[-1] > 0:
                 self.stats.dropped_prefills += 1
-                prompt = int(step.qlen0[r])
                 shares = ", ".join(f"{k / prompt:.3f}" for k in step.kept_at[r, 1:])
                 logger.info(
                     "uniprefill: request %s prefill dropped: prompt_tokens=%d kept_share=[%s]",
@@ -256,23 +475,27 @@ class UniPrefillRuntime:
                     shares,
                 )
 
-    def _count(self, step: StepContext, stage: int, new_qlen: np.ndarray) -> None:
+    def _count(
+        self, step: StepContext, stage: int, seen_qlen: np.ndarray, new_qlen: np.ndarray
+    ) -> None:
         rows = step.droppable
-        self.stats.add(stage - 1, int(step.qlen[rows].sum()), int(new_qlen[rows].sum()))
+        self.stats.add(stage - 1, int(seen_qlen[rows].sum()), int(new_qlen[rows].sum()))
+
+    @staticmethod
+    def _kept_lengths(sel: Any) -> np.ndarray:
+        cu = sel.new_cu_seqlens_cpu
+        cu = sel.new_cu_seqlens.cpu() if cu is None else cu  # None only if nothing synced
+        return np.diff(cu.numpy()).astype(np.int64)
 
     def _compact(
         self,
         step: StepContext,
-        sel: Any,
+        idx: torch.Tensor,
+        new_qlen: np.ndarray,
         stage: int,
         hidden: torch.Tensor,
         residual: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cu = sel.new_cu_seqlens_cpu
-        cu = sel.new_cu_seqlens.cpu() if cu is None else cu  # None only if nothing synced
-        new_qlen = np.diff(cu.numpy()).astype(np.int64)
-        self._count(step, stage, new_qlen)
-        idx = sel.gather_idx
         # Padding rows (if any) are never in idx: after the first compaction the
         # hidden states hold real tokens only.
         step.gather_total = idx if step.gather_total is None else step.gather_total[idx]

@@ -38,6 +38,7 @@ class UniPrefillWorkerExtension:
         rt = self._uniprefill_runtime()
         out = rt.stats.as_dict()
         out["records"] = len(rt.table)
+        out["stashed"] = len(rt.stash.by_slot)
         return out
 
     def uniprefill_configure(self, options: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,11 @@ import torch
 
 from uniprefill.config import UniPrefillConfig
 from uniprefill.vllm.families import ModelFamily
-from uniprefill.vllm.runtime import UniPrefillRuntime, compaction_reserve_bytes
+from uniprefill.vllm.runtime import (
+    UniPrefillRuntime,
+    compaction_reserve_bytes,
+    stash_reserve_bytes,
+)
 
 
 def uniprefill_config(additional_config: Any) -> UniPrefillConfig | None:
@@ -46,6 +50,8 @@ class UniPrefillModel:
         self.drop_layers = self.family.resolve_drop_layers(hf_config, cfg.drop_layers)
         self._dropping = False
         self._max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        mst = cfg.max_stash_tokens
+        self._stash_tokens = vllm_config.model_config.max_model_len if mst is None else mst
         layers = self.model.layers  # type: ignore[attr-defined]
         for layer in layers:
             if getattr(layer, "use_attn_reduce_scatter_for_moe", False):
@@ -81,6 +87,7 @@ class UniPrefillModel:
             device,
             max_num_reqs,
             score_allreduce=tp_allreduce(),
+            stash_tokens=self._stash_tokens,
         )
         self.uniprefill = rt
         log_start(self, rt)
@@ -110,6 +117,8 @@ class UniPrefillModel:
             inputs_embeds,
             **kwargs,
         )
+        if self.uniprefill_config is None:
+            return dense()  # off: vLLM's class as it is (an override outlives its engine)
         rt = self.uniprefill
         fc = get_forward_context()
         if fc.attn_metadata is None:
@@ -161,16 +170,27 @@ class UniPrefillModel:
             return dense()
         cfg = self.uniprefill_config
         attn = self.scoring_attention()
+        vcfg = self.uniprefill_vllm_config
+        hidden_size = vcfg.model_config.get_hidden_size()  # type: ignore[attr-defined]
+        act_bytes = torch.empty(0, dtype=vcfg.model_config.dtype).element_size()  # type: ignore[attr-defined]
         nbytes = compaction_reserve_bytes(
-            max_tokens=self._max_tokens,
-            max_reqs=self.uniprefill_vllm_config.scheduler_config.max_num_seqs,  # type: ignore[attr-defined]
-            hidden_size=self.uniprefill_vllm_config.model_config.get_hidden_size(),  # type: ignore[attr-defined]
-            act_bytes=torch.empty(
-                0, dtype=self.uniprefill_vllm_config.model_config.dtype
-            ).element_size(),  # type: ignore[attr-defined]
+            max_tokens=self._max_tokens + self._stash_tokens,
+            max_reqs=vcfg.scheduler_config.max_num_seqs,  # type: ignore[attr-defined]
+            hidden_size=hidden_size,
+            act_bytes=act_bytes,
             num_q_heads=attn.num_heads,
             last_q=cfg.last_q,
         )
+        if self._stash_tokens:
+            nbytes += stash_reserve_bytes(
+                capacity=self._stash_tokens,
+                max_tokens=self._max_tokens,
+                hidden_size=hidden_size,
+                act_bytes=act_bytes,
+                num_q_heads=attn.num_heads,
+                num_kv_heads=attn.num_kv_heads,
+                head_size=attn.head_size,
+            )
         reserve = torch.empty(nbytes, dtype=torch.uint8, device=positions.device)
         try:
             return dense()

@@ -1,0 +1,75 @@
+"""What a chunked prompt keeps from its earlier chunks until its last chunk scores it.
+
+A prompt longer than one step's budget arrives in chunks. Its selection needs the
+prompt's last ``last_q`` queries, which only the last chunk has, so earlier chunks
+run only stage 0 (every layer up to the first drop layer's attention, whose KV they
+write) and leave here what the last chunk needs to carry them on: per token the
+hidden state and residual at the first gather point, its position, and the drop
+layer's key; the queries of tokens among the prompt's last ``last_q`` too.
+
+The store is bounded in tokens (``max_stash_tokens``): a prompt whose whole length
+does not fit when its first chunk arrives runs dense, counted in the stats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StashedChunk:
+    """One earlier chunk of a prompt, as stage 0 left it."""
+
+    hidden: torch.Tensor  # [n, H]
+    residual: torch.Tensor  # [n, H]
+    positions: torch.Tensor  # [n]
+    keys: torch.Tensor  # [n, Hkv, D] (this rank's heads)
+    # Queries of this chunk's tokens that are among the prompt's last last_q: [m, Hq, D],
+    # the chunk's last m tokens.
+    tail_queries: torch.Tensor | None = None
+
+
+@dataclass
+class PromptStash:
+    """The earlier chunks of one request, in order."""
+
+    reserved: int  # tokens counted against the store (the whole prompt)
+    chunks: list[StashedChunk] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.hidden.shape[0] for c in self.chunks)
+
+    def cat(self, name: str) -> torch.Tensor:
+        return torch.cat([getattr(c, name) for c in self.chunks])
+
+
+class StashStore:
+    """Per-request stashes, bounded by a token count that vLLM's memory profile holds."""
+
+    def __init__(self, capacity_tokens: int) -> None:
+        self.capacity = capacity_tokens
+        self.used = 0
+        self.by_slot: dict[int, PromptStash] = {}
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self.by_slot
+
+    def open(self, slot: int, prompt_len: int) -> bool:
+        """Reserve room for a prompt's chunks; ``False`` (nothing reserved) if it is full."""
+        self.release(slot)
+        if self.used + prompt_len > self.capacity:
+            return False
+        self.used += prompt_len
+        self.by_slot[slot] = PromptStash(reserved=prompt_len)
+        return True
+
+    def get(self, slot: int) -> PromptStash:
+        return self.by_slot[slot]
+
+    def release(self, slot: int) -> None:
+        stash = self.by_slot.pop(slot, None)
+        if stash is not None:
+            self.used -= stash.reserved
