@@ -335,6 +335,9 @@ class Sweep:
                 "uniprefill": mode_config("dense", spec["drop_layers"]) | {"top_p": 0.99}
             },
         )
+        if a.vllm_default_budget:
+            # vLLM's own step budget: prompts longer than it are prefilled in chunks.
+            del kwargs["max_num_batched_tokens"]
         if not a.smoke_cpu:
             kwargs["gpu_memory_utilization"] = a.gpu_mem_util
             if spec["family"] == "qwen3_next":
@@ -929,6 +932,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="max_num_batched_tokens (default per model; a multiple of the lengths)",
+    )
+    p.add_argument(
+        "--vllm-default-budget",
+        action="store_true",
+        help="leave max_num_batched_tokens to vLLM in every engine (long prompts are "
+        "prefilled in chunks), instead of one step per prompt",
     )
     p.add_argument("--gpu-mem-util", type=float, default=0.9)
     p.add_argument(
