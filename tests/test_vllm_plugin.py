@@ -348,6 +348,89 @@ def test_full_stash_runs_dense(tiny_llama: Path):
     assert got == want
 
 
+# Two prompts sharing a 1536-token prefix (a multiple of every KV block size vLLM
+# picks here), each with its own 300-token tail.
+SHARED_PREFIX = 1536
+
+
+def _shared_prefix_prompts() -> list[dict[str, Any]]:
+    prefix = _prompts((SHARED_PREFIX,), seed=7)[0]["prompt_token_ids"]
+    tails = [p["prompt_token_ids"] for p in _prompts((300, 300), seed=8)]
+    return [{"prompt_token_ids": prefix + tail} for tail in tails]
+
+
+def _dropped(stats: dict[str, Any]) -> list[int]:
+    return [s - k for s, k in zip(stats["seen_tokens"], stats["kept_tokens"], strict=True)]
+
+
+@pytest.mark.parametrize(("arch", "budget"), [("llama", 2048), ("llama", 256), ("gemma3", 2048)])
+def test_prefix_cache_reuses_only_the_dense_prefix(arch: str, budget: int, request: Any):
+    """Prefix caching on: a prompt that drops publishes only its protected dense head;
+    the second request reuses it and decodes exactly what it decodes alone."""
+    path = request.getfixturevalue(f"tiny_{arch}")
+    first, second = _shared_prefix_prompts()
+    # keep_ratio: a 300-token tail of random tokens may keep every block at a top_p.
+    cfg = {
+        "keep_ratio": 0.5,
+        "drop_layers": DROP_LAYERS[arch],
+        "dense_prefix_tokens": SHARED_PREFIX,
+        **SMALL,
+    }
+    caching = {"enable_prefix_caching": True, "max_num_batched_tokens": budget}
+    llm = _llm(path, arch, cfg, **caching)
+    try:
+        out_first = llm.generate([first], _greedy(12))[0]
+        after_first = collect(llm)
+        out_second = llm.generate([second], _greedy(12))[0]
+        after_second = collect(llm)
+        # The first prompt again: only its dense head is in the cache, not the
+        # compacted blocks after it (plain vLLM would reuse all of its full blocks).
+        again = llm.generate([first], _greedy(12))[0]
+        final = collect(llm)
+    finally:
+        _close(llm)
+    assert out_first.num_cached_tokens == 0
+    assert out_second.num_cached_tokens == SHARED_PREFIX
+    assert again.num_cached_tokens == SHARED_PREFIX
+    assert list(again.outputs[0].token_ids) == list(out_first.outputs[0].token_ids)
+    assert final["records"] == 0 and final["stashed"] == 0
+    second_dropped = [
+        b - a for a, b in zip(_dropped(after_first), _dropped(after_second), strict=True)
+    ]
+    assert sum(second_dropped) > 0
+
+    alone = _llm(path, arch, cfg, enable_prefix_caching=True)
+    try:
+        out_alone = alone.generate([second], _greedy(12))[0]
+        alone_stats = collect(alone)
+    finally:
+        _close(alone)
+    assert out_alone.num_cached_tokens == 0
+    # The same tail tokens dropped at every drop layer, whether the head was computed
+    # or read from the cache, and the same output.
+    assert _dropped(alone_stats) == second_dropped
+    assert list(out_second.outputs[0].token_ids) == list(out_alone.outputs[0].token_ids)
+
+
+def test_prefix_cache_settings(tiny_llama: Path, tiny_qwen3_next: Path):
+    from uniprefill.vllm.engine import SCHEDULERS
+
+    cfg = _engine_config(tiny_llama, {}, enable_prefix_caching=True)
+    assert cfg.scheduler_config.scheduler_cls in SCHEDULERS.values()
+    off = _engine_config(tiny_llama, {}, enable_prefix_caching=False)
+    assert off.scheduler_config.scheduler_cls is None
+    with pytest.raises(ValueError, match="scheduler_cls"):
+        _engine_config(tiny_llama, {}, enable_prefix_caching=True, scheduler_cls="my.Scheduler")
+    with pytest.raises(ValueError, match="linear-attention"):
+        _engine_config(tiny_qwen3_next, {}, enable_prefix_caching=True, **vllm_kwargs("qwen3_next"))
+    # Left unset (vLLM's default is on): turned off for the hybrid model.
+    hybrid = _engine_config(
+        tiny_qwen3_next, {}, enable_prefix_caching=None, **vllm_kwargs("qwen3_next")
+    )
+    assert not hybrid.cache_config.enable_prefix_caching
+    assert hybrid.scheduler_config.scheduler_cls is None
+
+
 def test_preempted_requests_restart_cleanly(tiny_llama: Path):
     """Too few KV blocks for three long requests: vLLM preempts and recomputes some.
 
@@ -390,7 +473,7 @@ def _engine_config(path: Path, uniprefill: Any, **kwargs: Any) -> Any:
         ({"topp": 0.9}, {}, "unknown uniprefill option"),
         ({"drop_layers": [3, 1]}, {}, "drop_layers"),
         ({"drop_layers": [6]}, {}, "drop_layers: layer 6 does not exist"),
-        ({}, {"enable_prefix_caching": True}, "enable_prefix_caching"),
+        ({"dense_prefix_tokens": -1}, {}, "dense_prefix_tokens"),
     ],
 )
 def test_bad_config_fails_at_startup(tiny_llama: Path, uniprefill, kwargs, message):
@@ -435,5 +518,5 @@ def test_off_by_default_and_when_disabled(tiny_llama: Path):
     off = _engine_config(tiny_llama, {"enabled": False}, enable_prefix_caching=None)
     assert off.cache_config.enable_prefix_caching
     on = _engine_config(tiny_llama, {})
-    assert not on.cache_config.enable_prefix_caching
+    assert on.cache_config.enable_prefix_caching  # left on, with UniPrefill's scheduler
     assert not on.scheduler_config.async_scheduling

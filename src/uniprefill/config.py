@@ -56,7 +56,10 @@ class UniPrefillConfig:
     makes speed independent of what random weights attend to).
     ``max_stash_tokens`` bounds the tokens of prompts prefilled in chunks that wait
     for their last chunk (about 18 KB per token on a Llama-8B shape); a prompt that
-    does not fit when it starts runs dense.
+    does not fit when it starts runs dense. ``dense_prefix_tokens``: the first tokens
+    of every prompt that are never dropped; with vLLM's prefix caching on, they are
+    what a prompt that drops publishes for later requests to reuse (its shared
+    system prompt, say).
     """
 
     top_p: float = DEFAULT_TOP_P
@@ -69,6 +72,7 @@ class UniPrefillConfig:
     # Tokens of chunked prompts held between their chunks (None: max_model_len; 0:
     # chunked prompts run dense).
     max_stash_tokens: int | None = None
+    dense_prefix_tokens: int = 0
     enabled: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -76,9 +80,10 @@ class UniPrefillConfig:
         validate_selection_args(
             self.top_p, self.block_size, self.last_q, self.sink, self.keep_ratio
         )
-        mpl = self.min_prompt_len
-        if isinstance(mpl, bool) or not isinstance(mpl, int) or mpl < 0:
-            raise ValueError(f"min_prompt_len must be an integer >= 0, got {self.min_prompt_len!r}")
+        for name in ("min_prompt_len", "dense_prefix_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         mst = self.max_stash_tokens
         if mst is not None and (isinstance(mst, bool) or not isinstance(mst, int) or mst < 0):
             raise ValueError(

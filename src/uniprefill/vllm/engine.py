@@ -6,8 +6,11 @@ it. When UniPrefill is on it sets three of vLLM's own options:
 
 * ``model_class_overrides``: the family's UniPrefill model class replaces vLLM's;
 * ``worker_extension_cls``: the stats RPC (``uniprefill_stats``);
-* ``enable_prefix_caching=False`` when unset (vLLM's default is on): compacted KV
-  must never be shared as if it held the full prefix.
+* ``scheduler_cls`` when prefix caching is on: vLLM's scheduler with a cap on what
+  a prompt that may drop publishes to the cache (``scheduler.py``): compacted KV
+  must never be shared as if it held the full prefix. Models whose cache cannot be
+  capped so (linear-attention hybrids) get prefix caching turned off when it was
+  left unset, and refused when it was asked for.
 """
 
 from __future__ import annotations
@@ -32,15 +35,6 @@ def prepare_engine_args(args: Any) -> UniPrefillConfig | None:
     cfg = uniprefill_config(args.additional_config)
     if cfg is None:
         return None
-    if args.enable_prefix_caching is None:
-        args.enable_prefix_caching = False
-        logger.info("uniprefill: prefix caching turned off")
-    elif args.enable_prefix_caching:
-        raise refuse(
-            "enable_prefix_caching=True",
-            "compacted KV would be shared as if it were the full prefix; pass "
-            "enable_prefix_caching=False (--no-enable-prefix-caching)",
-        )
     if args.speculative_config:
         raise refuse("speculative decoding", "draft verification needs every prompt position")
     if (args.pipeline_parallel_size or 1) > 1:
@@ -101,4 +95,49 @@ def check_vllm_config(vllm_config: Any, cfg: UniPrefillConfig, user_hma_off: Any
         if not sched.disable_hybrid_kv_cache_manager:
             sched.disable_hybrid_kv_cache_manager = True
             logger.info("uniprefill: hybrid KV cache manager turned off (sliding window)")
+    if vllm_config.cache_config.enable_prefix_caching:
+        _use_publish_cap(vllm_config, cfg)
     logger.info("uniprefill enabled: %s", cfg.to_dict())
+
+
+# vLLM's two schedulers with UniPrefill's publish cap (scheduler.py), by async_scheduling.
+SCHEDULERS = {
+    False: "uniprefill.vllm.scheduler.UniPrefillScheduler",
+    True: "uniprefill.vllm.scheduler.UniPrefillAsyncScheduler",
+}
+
+
+def prefix_caching_unsupported(vllm_config: Any) -> str | None:
+    """Why this model cannot keep vLLM's prefix caching with UniPrefill (None: it can)."""
+    if vllm_config.model_config.is_hybrid:
+        # vLLM caches a Mamba-style state per block boundary it reaches; after a drop
+        # layer that state is of the compacted sequence, at no boundary of the prompt.
+        return (
+            "a linear-attention (Mamba-style) model's cached recurrent state would be "
+            "that of the compacted prompt"
+        )
+    return None
+
+
+def _use_publish_cap(vllm_config: Any, cfg: UniPrefillConfig) -> None:
+    """Prefix caching on: only what is dense at every layer may be published."""
+    why = prefix_caching_unsupported(vllm_config)
+    if why:
+        raise refuse(
+            "enable_prefix_caching=True with this model",
+            f"{why}; pass enable_prefix_caching=False (--no-enable-prefix-caching) or "
+            "leave it unset",
+        )
+    sched = vllm_config.scheduler_config
+    ours = SCHEDULERS[bool(sched.async_scheduling)]
+    if sched.scheduler_cls not in (None, *SCHEDULERS.values()):
+        raise refuse(
+            f"scheduler_cls={sched.scheduler_cls!r} with prefix caching",
+            f"UniPrefill installs its own ({ours}) to keep compacted KV out of the cache",
+        )
+    sched.scheduler_cls = ours
+    logger.info(
+        "uniprefill: prefix caching on: prompts that may drop publish only their first "
+        "dense_prefix_tokens=%d tokens (and reuse what the cache already holds)",
+        cfg.dense_prefix_tokens,
+    )

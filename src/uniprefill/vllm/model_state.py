@@ -116,6 +116,8 @@ class UniPrefillStateMixin:
             new_req_data.req_id,
             len(prompt),
             restarted or runs_dense(new_req_data.sampling_params),
+            # Tokens found in vLLM's prefix cache (dense at every layer, see scheduler.py).
+            start=int(new_req_data.num_computed_tokens),
         )
         rt.stats.restarted += int(restarted)
 

@@ -3,7 +3,7 @@
 Everything else goes through vLLM's own seams: ``model_class_overrides`` (the
 model classes in ``uniprefill.vllm.models``), the model's ``get_model_state_cls``
 (``uniprefill.vllm.model_state``), ``worker_extension_cls`` (``worker.py``) and
-``additional_config``. Three patches remain; each is a no-op unless the engine's
+``additional_config``. Three class patches remain; each is a no-op unless the engine's
 ``additional_config`` holds a ``uniprefill`` entry:
 
 * ``EngineArgs.create_engine_config`` (all versions, 0.26 - 0.34): check the
@@ -17,6 +17,12 @@ model classes in ``uniprefill.vllm.models``), the model's ``get_model_state_cls`
   to patch): UniPrefill runs on the V2 runner, which 0.26 - 0.28 do not choose for
   hybrid and MoE models (Qwen3-Next). An explicit ``VLLM_USE_V2_MODEL_RUNNER=0``
   is left alone and then refused.
+
+Elsewhere, on instances UniPrefill creates or owns (no class of vLLM changes):
+
+* ``KVCacheCoordinator.cache_blocks`` of the scheduler's coordinator
+  (``scheduler.py``; 0.26 - 0.34): caps what a prompt that may drop publishes to the
+  prefix cache. Only in UniPrefill's scheduler, set when prefix caching is on.
 
 Installed once per process by :func:`apply` (vLLM may load plugins several times).
 """
@@ -70,6 +76,12 @@ def _patch_create_engine_config() -> None:
         _forget_resolved_model_classes()
         user_hma_off = getattr(self, "disable_hybrid_kv_cache_manager", None)
         vllm_config = orig(self, *args, **kwargs)
+        why = engine.prefix_caching_unsupported(vllm_config)
+        if why and self.enable_prefix_caching is None:
+            # vLLM's default (on) for a model UniPrefill cannot cap: build it without.
+            self.enable_prefix_caching = False
+            logger.info("uniprefill: prefix caching turned off: %s", why)
+            vllm_config = orig(self, *args, **kwargs)
         engine.check_vllm_config(vllm_config, cfg, user_hma_off)
         return vllm_config
 

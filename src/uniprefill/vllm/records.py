@@ -59,7 +59,7 @@ class DropStats:
 
 
 class RequestTable:
-    """``slot -> (req_id, prompt_len, dropped[stage])`` for the requests vLLM holds."""
+    """``slot -> (req_id, prompt_len, start, dropped[stage])`` for the requests vLLM holds."""
 
     def __init__(self, max_num_reqs: int, num_stages: int, device: torch.device) -> None:
         # num_stages counts stage 0, whose dropped count is always 0.
@@ -68,6 +68,9 @@ class RequestTable:
         self.slot_of: dict[str, int] = {}
         self.prompt_len = np.zeros(max_num_reqs, dtype=np.int64)
         self.runs_dense = np.zeros(max_num_reqs, dtype=bool)
+        # Prompt tokens vLLM's prefix cache held when the request arrived: dense at every
+        # layer, never scored; the prefill starts after them.
+        self.start = np.zeros(max_num_reqs, dtype=np.int64)
         self.dropped = np.zeros((max_num_reqs, num_stages), dtype=np.int64)
         self.dropped_gpu = torch.zeros((max_num_reqs, num_stages), dtype=torch.int32, device=device)
 
@@ -75,12 +78,15 @@ class RequestTable:
         """Requests whose KV is compacted right now."""
         return int(np.count_nonzero(self.dropped[:, -1]))
 
-    def add(self, slot: int, req_id: str, prompt_len: int, runs_dense: bool) -> None:
+    def add(
+        self, slot: int, req_id: str, prompt_len: int, runs_dense: bool, start: int = 0
+    ) -> None:
         self.remove(req_id)
         self.req_ids[slot] = req_id
         self.slot_of[req_id] = slot
         self.prompt_len[slot] = prompt_len
         self.runs_dense[slot] = runs_dense
+        self.start[slot] = start
         self._clear(slot)
 
     def remove(self, req_id: str) -> None:

@@ -47,3 +47,17 @@ def runs_dense(sampling_params: Any) -> bool:
         getattr(sampling_params, "max_tokens", None) == 1
         and getattr(sampling_params, "logprobs", None) is not None
     )
+
+
+def may_drop(config: Any, prompt_len: int, sampling_params: Any) -> bool:
+    """Whether the worker may drop tokens of this prompt, as the scheduler sees it.
+
+    A superset of the prompts the worker drops (it also needs ``top_p < 1`` or a
+    ``keep_ratio``, which the stats RPC may change on a running engine): the
+    scheduler publishes to the prefix cache only the dense head of these prompts.
+    """
+    return (
+        not runs_dense(sampling_params)
+        and prompt_len >= config.min_prompt_len
+        and prompt_len > config.sink + config.last_q
+    )

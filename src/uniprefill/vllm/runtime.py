@@ -15,6 +15,12 @@ come in one step: its earlier chunks run stage 0 and leave their state in a
 :class:`~uniprefill.vllm.stash.StashStore`, keeping two placeholder tokens in later
 stages; its last chunk scores the whole prompt at the first drop layer and carries
 the kept tokens of every chunk through the later layers.
+
+With vLLM's prefix caching, a request's cached prefix is dense at every layer (only
+such blocks are ever published, see :mod:`uniprefill.vllm.scheduler`): its prefill
+starts after it and only its new tokens are scored. The first
+``dense_prefix_tokens`` of a prompt are never dropped, so a prompt that drops can
+still publish them.
 """
 
 from __future__ import annotations
@@ -107,6 +113,11 @@ class StepContext:
     # per row the stashed tokens the last chunk scores with its own (0 elsewhere).
     stashing: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     stash_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # Prefix caching: per row the prompt tokens vLLM had cached (dense at every layer,
+    # before the row's first token), and the tokens at the head of the row's selection
+    # set that are never dropped (dense_prefix_tokens not yet cached).
+    start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    protect: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # Layer name -> slot mapping to put into the forward context before the forward
     # (decode rows of compacted requests write K/V at their compacted offsets).
     slot_overrides: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -123,12 +134,19 @@ class StepContext:
     # Row -> (keys, tail queries) of a stashing row, taken at the drop layer's attention
     # until its gather point completes the chunk.
     chunk_keys: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    # The current drop layer's selection rows -> step rows, when rows with a protected
+    # head were split in two (None: one selection row per step row).
+    sub_owner: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.qlen = self.qlen0.copy()
+        n = len(self.qlen0)
         if len(self.stashing) == 0:
-            self.stashing = np.zeros(len(self.qlen0), dtype=bool)
-            self.stash_len = np.zeros(len(self.qlen0), dtype=np.int64)
+            self.stashing = np.zeros(n, dtype=bool)
+            self.stash_len = np.zeros(n, dtype=np.int64)
+        if len(self.start) == 0:
+            self.start = np.zeros(n, dtype=np.int64)
+            self.protect = np.zeros(n, dtype=np.int64)
 
     @property
     def dropping(self) -> bool:
@@ -140,10 +158,14 @@ class StepContext:
         """Tokens each row's selection chooses from (the whole prompt for a last chunk)."""
         return self.qlen0 + self.stash_len
 
-    @property
-    def later_kv_empty(self) -> np.ndarray:
-        """Rows with nothing of theirs in the later stages' KV before this step."""
-        return (self.ctx0 == 0) | self.stashing | (self.stash_len > 0)
+    def later_ctx(self, stage: int) -> np.ndarray:
+        """Tokens of each row in stage ``stage``'s KV before this step's tokens.
+
+        A chunked prompt has only its cached prefix there until its last chunk writes
+        every kept token; other rows hold their context minus earlier steps' drops.
+        """
+        chunked = self.stashing | (self.stash_len > 0)
+        return np.where(chunked, self.start, self.ctx0 - self.dropped[:, stage])
 
     @property
     def compacted(self) -> bool:
@@ -192,9 +214,11 @@ class UniPrefillRuntime:
         self.step: StepContext | None = None
 
     # ---- requests (model state) ----------------------------------------------------------
-    def add_request(self, slot: int, req_id: str, prompt_len: int, runs_dense: bool) -> None:
+    def add_request(
+        self, slot: int, req_id: str, prompt_len: int, runs_dense: bool, start: int = 0
+    ) -> None:
         self.stash.release(slot)
-        self.table.add(slot, req_id, prompt_len, runs_dense)
+        self.table.add(slot, req_id, prompt_len, runs_dense, start)
 
     def remove_request(self, req_id: str) -> None:
         slot = self.table.slot_of.get(req_id)
@@ -217,6 +241,7 @@ class UniPrefillRuntime:
         qlen0 = np.asarray(qlen0, dtype=np.int64)
         ctx0 = np.asarray(ctx0, dtype=np.int64)
         prompt = self.table.prompt_len[slots]
+        start = self.table.start[slots]
         end = ctx0 + qlen0
         eligible = (
             (prompt > cfg.sink + cfg.last_q)
@@ -228,22 +253,23 @@ class UniPrefillRuntime:
         # Chunks after the first of a prompt whose first chunk opened a stash. A
         # recompute after preemption (prompt + generated tokens) runs dense.
         in_stash = np.fromiter((int(s) in self.stash for s in slots), bool, len(slots))
-        continued = in_stash & (ctx0 > 0)
+        continued = in_stash & (ctx0 > start)
         if continued.any() and not may_drop:
             raise RuntimeError(
                 "uniprefill: a chunk of a prompt being prefilled in chunks landed in a "
                 "step that replays a FULL CUDA graph; run with cudagraph_mode "
                 "FULL_AND_PIECEWISE or PIECEWISE, or max_stash_tokens=0"
             )
-        droppable = eligible & (ctx0 == 0) & (qlen0 == prompt) & may_drop
+        first = eligible & (ctx0 == start) & may_drop
+        droppable = first & (end == prompt)
         stashing = continued & (end < prompt)
         last_chunk = continued & (end == prompt)
         stash_len = np.zeros(len(slots), dtype=np.int64)
         for r in np.flatnonzero(last_chunk):
             stash_len[r] = self.stash.get(int(slots[r])).num_tokens
         droppable |= last_chunk
-        for r in np.flatnonzero(eligible & (ctx0 == 0) & (qlen0 < prompt) & may_drop):
-            if self.stash.open(int(slots[r]), int(prompt[r])):
+        for r in np.flatnonzero(first & (end < prompt)):
+            if self.stash.open(int(slots[r]), int(prompt[r] - start[r])):
                 stashing[r] = True
             else:
                 self.stats.stash_full += 1
@@ -256,6 +282,8 @@ class UniPrefillRuntime:
             dropped=self.table.dropped[slots],
             stashing=stashing,
             stash_len=stash_len,
+            start=start,
+            protect=np.maximum(0, cfg.dense_prefix_tokens - start),
         )
         return self.step
 
@@ -299,7 +327,7 @@ class UniPrefillRuntime:
             if step.stash_len.any():
                 q, k, lens = self._extend_scoring(step, q, k, qsl)
                 qsl = _query_start(lens)
-        rows = step.droppable & (lens > cfg.sink + cfg.last_q)
+        rows, qsl = self._selection_rows(step, lens, qsl)
         if not rows.any():
             return
         dev = query.device
@@ -329,7 +357,7 @@ class UniPrefillRuntime:
         if stage == 1 and (step.stashing.any() or step.extended is not None):
             hidden_states, residual = self._gather_chunks(step, sel, hidden_states, residual)
         elif sel is not None and sel.num_kept < int(step.qlen.sum()):
-            new_qlen = self._kept_lengths(sel)
+            new_qlen = self._kept_lengths(step, sel)
             self._count(step, stage, step.qlen, new_qlen)
             hidden_states, residual = self._compact(
                 step, sel.gather_idx, new_qlen, stage, hidden_states, residual
@@ -337,11 +365,7 @@ class UniPrefillRuntime:
         elif sel is not None:
             self._count(step, stage, step.qlen, step.qlen)
         if (step.compacted or step.dropped[:, stage].any()) and step.rebuild is not None:
-            # Rows with nothing in the later stages' KV yet (a prompt compacted this
-            # step, or still arriving in chunks) start there from an empty KV; the
-            # others keep their context minus what earlier steps dropped before this stage.
-            ctx = np.where(step.later_kv_empty, 0, step.ctx0 - step.dropped[:, stage])
-            step.rebuild(step, stage, step.qlen, ctx)
+            step.rebuild(step, stage, step.qlen, step.later_ctx(stage))
         return hidden_states, residual
 
     def finish_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -362,6 +386,30 @@ class UniPrefillRuntime:
         return out[:rows]
 
     # ---- internals ------------------------------------------------------------------------
+    def _selection_rows(
+        self, step: StepContext, lens: np.ndarray, qsl: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows the selection scores and their starts.
+
+        A row whose first tokens are protected (``dense_prefix_tokens``) becomes two
+        selection rows, the protected head kept whole and the rest scored on its own,
+        so that the selection does not depend on whether the head came from vLLM's
+        prefix cache.
+        """
+        cfg = self.config
+        protect = np.where(step.droppable, np.minimum(step.protect, lens), 0)
+        rows = step.droppable & (lens - protect > cfg.sink + cfg.last_q)
+        split = rows & (protect > 0)
+        step.sub_owner = None
+        if not split.any():
+            return rows, qsl
+        head = np.where(split, protect, lens)
+        pair_lens = np.stack([head, lens - head], axis=1).ravel()
+        pair_rows = np.stack([rows & ~split, split], axis=1).ravel()
+        present = np.stack([np.ones_like(split), split], axis=1).ravel()
+        step.sub_owner = np.repeat(np.arange(len(lens)), 1 + split.astype(np.int64))
+        return pair_rows[present], _query_start(pair_lens[present])
+
     def _stash_keys(
         self, step: StepContext, q: torch.Tensor, k: torch.Tensor, qsl: np.ndarray
     ) -> None:
@@ -416,7 +464,7 @@ class UniPrefillRuntime:
         ext = step.extended
         lens = step.prefill_len  # at the first gather point: this step's tokens + stashes
         if sel is not None:
-            new_qlen, idx = self._kept_lengths(sel), sel.gather_idx
+            new_qlen, idx = self._kept_lengths(step, sel), sel.gather_idx
         else:
             new_qlen, idx = lens.copy(), None
         self._count(step, 1, lens, new_qlen)
@@ -482,10 +530,13 @@ class UniPrefillRuntime:
         self.stats.add(stage - 1, int(seen_qlen[rows].sum()), int(new_qlen[rows].sum()))
 
     @staticmethod
-    def _kept_lengths(sel: Any) -> np.ndarray:
+    def _kept_lengths(step: StepContext, sel: Any) -> np.ndarray:
         cu = sel.new_cu_seqlens_cpu
         cu = sel.new_cu_seqlens.cpu() if cu is None else cu  # None only if nothing synced
-        return np.diff(cu.numpy()).astype(np.int64)
+        kept = np.diff(cu.numpy()).astype(np.int64)
+        if step.sub_owner is None:
+            return kept
+        return np.bincount(step.sub_owner, weights=kept, minlength=len(step.qlen)).astype(np.int64)
 
     def _compact(
         self,

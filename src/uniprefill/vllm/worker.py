@@ -14,6 +14,8 @@ logger = logging.getLogger("vllm.uniprefill")
 EXTENSION_CLS = "uniprefill.vllm.worker.UniPrefillWorkerExtension"
 STATS_METHOD = "uniprefill_stats"
 CONFIGURE_METHOD = "uniprefill_configure"
+# Settings the scheduler's prefix-cache cap reads (requests.may_drop, scheduler.py).
+FIXED_WITH_PREFIX_CACHING = ("min_prompt_len", "sink", "last_q", "dense_prefix_tokens")
 
 
 class UniPrefillWorkerExtension:
@@ -54,6 +56,13 @@ class UniPrefillWorkerExtension:
             raise ValueError(
                 f"drop_layers {list(new.drop_layers)} differ from the engine's "
                 f"{list(rt.drop_layers)}; they are fixed at start-up"
+            )
+        cache = self.vllm_config.cache_config  # type: ignore[attr-defined]
+        fixed = [n for n in FIXED_WITH_PREFIX_CACHING if getattr(new, n) != getattr(rt.config, n)]
+        if fixed and cache.enable_prefix_caching:
+            raise ValueError(
+                f"{', '.join(fixed)} are fixed at start-up while prefix caching is on "
+                "(the scheduler decides by them what a prompt may publish to the cache)"
             )
         rt.config = new
         return {"config": new.to_dict(), "drop_layers": list(rt.drop_layers)}
