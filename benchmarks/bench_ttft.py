@@ -323,7 +323,8 @@ class Sweep:
         max_len = max(a.lengths) + 64
         kwargs: dict[str, Any] = dict(
             enforce_eager=a.eager,
-            enable_prefix_caching=False,
+            # Off unless --prefix-caching (then vLLM's default, on, and distinct prompts).
+            enable_prefix_caching=a.prefix_caching,
             max_model_len=max_len,
             max_num_batched_tokens=max(budget, max_len),
             max_num_seqs=max(max(a.concurrency), 8),
@@ -495,7 +496,7 @@ class Sweep:
                 walls, ttfts = [], []
                 for rep in range(a.repeats):
                     r = run_batch(
-                        llm, sp, batch_prompts(length, conc, seed=1000 * rep + length + conc)
+                        llm, sp, batch_prompts(length, conc, seed=point_seed(a, rep, length, conc))
                     )
                     walls.append(r["wall_s"])
                     ttfts.append(statistics.fmean(r["ttft_s"]))
@@ -616,10 +617,12 @@ class Sweep:
             m: {"wall_s": [], "ttft_mean_s": [], "ttft_all_s": [], "delta": None} for m in modes
         }
         for rep in range(a.repeats):
-            prompts = batch_prompts(length, conc, seed=1000 * rep + length + conc)
-            for mode in modes:
+            for mode_index, mode in enumerate(modes):
                 if mode in failed:
                     continue
+                prompts = batch_prompts(
+                    length, conc, seed=point_seed(a, rep, length, conc, mode_index)
+                )
                 try:
                     self.set_mode(llm, mode, drop_layers)
                     before = collect(llm)
@@ -919,6 +922,13 @@ def _ints(s: str) -> list[int]:
     return out
 
 
+def point_seed(a: argparse.Namespace, rep: int, length: int, conc: int, mode_index: int = 0) -> int:
+    """Prompt seed of one measurement: the same for every mode, or with
+    ``--prefix-caching`` distinct per mode, so no mode hits another's cached blocks."""
+    seed = 1000 * rep + length + conc
+    return seed + 1_000_003 * mode_index if a.prefix_caching else seed
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="llama8b", help=f"comma list of {sorted(MODELS)}")
@@ -940,6 +950,12 @@ def main(argv: list[str] | None = None) -> int:
         "prefilled in chunks), instead of one step per prompt",
     )
     p.add_argument("--gpu-mem-util", type=float, default=0.9)
+    p.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="keep vLLM's prefix caching on in every engine (its default), with distinct "
+        "prompts per mode so that no measurement reads another's cached blocks",
+    )
     p.add_argument(
         "--deadline-s",
         type=float,

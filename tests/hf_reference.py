@@ -1,67 +1,122 @@
-"""UniPrefill on a Hugging Face Llama, written plainly: the oracle for the vLLM plugin.
+"""UniPrefill on a Hugging Face model, written plainly: the oracle for the vLLM plugin.
 
-No KV cache: every decode step recomputes the whole sequence, applying at each
-drop layer the prompt-token selection made during prefill (generated tokens
-are never dropped). Because attention is causal, that is exactly what the
-plugin's compacted per-layer KV cache must reproduce.
+No KV cache: every decode step recomputes the whole sequence layer by layer through
+transformers' own decoder layers (Llama, Gemma 3 and Qwen3-Next share their calling
+convention), applying at each drop layer the prompt-token selection made during
+prefill; generated tokens are never dropped. Attention runs through a function of
+this module (registered with transformers' ``AttentionInterface``) that masks
+causally in the index space of the tokens still alive (a sliding window counts kept
+tokens, as the plugin's compacted KV does), keeps the original positions for RoPE,
+and hands the drop layer's post-RoPE q/k to the selection. Linear-attention layers
+see the kept tokens in order. The drop is applied after the drop layer's MLP: the MLP
+works token by token, so the kept tokens' values are those of a drop before it.
+Because attention is causal, this is what the plugin's compacted per-layer KV cache
+must reproduce.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+from transformers import AttentionInterface
 
 from uniprefill.ops import select_tokens
 
+ATTN = "uniprefill_reference"
+# The drop layer's attention module -> its (q, k), [tokens, heads, head_dim], and scale.
+_captured: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
 
-def _layer(layer, h, cos, sin, want_qk: bool):
-    attn = layer.self_attn
-    n, hd = h.shape[0], attn.head_dim
-    x = layer.input_layernorm(h)
-    q = attn.q_proj(x).view(n, -1, hd).transpose(0, 1)[None]
-    k = attn.k_proj(x).view(n, -1, hd).transpose(0, 1)[None]
-    v = attn.v_proj(x).view(n, -1, hd).transpose(0, 1)[None]
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    groups = q.shape[1] // k.shape[1]
-    o = F.scaled_dot_product_attention(
-        q, repeat_kv(k, groups), repeat_kv(v, groups), is_causal=True, scale=attn.scaling
+
+def _attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    n = query.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    i = torch.arange(n)
+    allowed = i[None, :] <= i[:, None]
+    if sliding_window:
+        allowed &= i[None, :] > i[:, None] - sliding_window
+    out = F.scaled_dot_product_attention(
+        query,
+        key.repeat_interleave(groups, dim=1),
+        value.repeat_interleave(groups, dim=1),
+        attn_mask=allowed,
+        scale=scaling,
     )
-    h = h + attn.o_proj(o[0].transpose(0, 1).reshape(n, -1))
-    qk = (q[0].transpose(0, 1), k[0].transpose(0, 1)) if want_qk else None
-    return h, qk
+    if getattr(module, "uniprefill_capture", False):
+        qk = (query[0].transpose(0, 1), key[0].transpose(0, 1))
+        _captured[id(module)] = (*qk, scaling or query.shape[-1] ** -0.5)
+    return out.transpose(1, 2).contiguous(), None
 
 
-def _mlp(layer, h):
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+AttentionInterface.register(ATTN, _attention)
+
+
+def load(path: Any, dtype: torch.dtype = torch.float32) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    model.set_attn_implementation(ATTN)
+    return model
+
+
+def _layer_types(config: Any) -> list[str]:
+    return list(
+        getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    )
+
+
+def _position_embeddings(inner: Any, h: torch.Tensor, pos: torch.Tensor, layer_type: str) -> Any:
+    try:  # Gemma 3: one rotary embedding per layer type
+        return inner.rotary_emb(h, pos[None], layer_type)
+    except TypeError:
+        return inner.rotary_emb(h, pos[None])
 
 
 @torch.no_grad()
 def _forward(model, ids, prompt_len, drop_layers, selections, select_kwargs):
     """Last-token logits; fills ``selections`` (prompt keep indices per drop layer) if empty."""
     inner = model.model
-    h = inner.embed_tokens(torch.tensor(ids))
+    types = _layer_types(model.config)
+    h = inner.embed_tokens(torch.tensor(ids))[None]
     pos = torch.arange(len(ids))
     n_prompt = prompt_len  # prompt tokens still alive
     for i, layer in enumerate(inner.layers):
-        cos, sin = inner.rotary_emb(h[None], pos[None])
-        h, qk = _layer(layer, h, cos, sin, want_qk=i in drop_layers and i not in selections)
+        attn = getattr(layer, "self_attn", None)
+        scoring = i in drop_layers and i not in selections
+        if attn is not None:
+            attn.uniprefill_capture = scoring
+        h = layer(
+            h,
+            position_embeddings=_position_embeddings(inner, h, pos, types[i]),
+            attention_mask=None,
+            position_ids=pos[None],
+        )
         if i in drop_layers:
-            if i not in selections:
-                q, k = qk
+            if scoring:
+                q, k, scale = _captured.pop(id(attn))
                 sel = select_tokens(
                     q[:n_prompt].contiguous(),
                     k[:n_prompt].contiguous(),
                     torch.tensor([0, n_prompt], dtype=torch.int32),
                     impl="reference",
+                    scale=scale,  # the layer's own (Gemma 3: query_pre_attn_scalar)
                     **select_kwargs,
                 )
                 selections[i] = sel.gather_idx
             keep = selections[i]
             idx = torch.cat([keep, torch.arange(n_prompt, len(pos))])
-            h, pos, n_prompt = h[idx], pos[idx], len(keep)
-        h = _mlp(layer, h)
-    return model.lm_head(inner.norm(h[-1:]))[0]
+            h, pos, n_prompt = h[:, idx], pos[idx], len(keep)
+    return model.lm_head(inner.norm(h[:, -1:]))[0, 0]
 
 
 def greedy_with_drops(model, prompt_ids, max_tokens, drop_layers, **select_kwargs):

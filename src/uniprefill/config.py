@@ -59,7 +59,9 @@ class UniPrefillConfig:
     does not fit when it starts runs dense. ``dense_prefix_tokens``: the first tokens
     of every prompt that are never dropped; with vLLM's prefix caching on, they are
     what a prompt that drops publishes for later requests to reuse (its shared
-    system prompt, say).
+    system prompt, say). ``compile_drop_steps``: whether a step that drops runs its
+    layers ``torch.compile``'d in segments between drop layers (``None``: when vLLM
+    compiles its own model, i.e. without ``enforce_eager``).
     """
 
     top_p: float = DEFAULT_TOP_P
@@ -73,6 +75,8 @@ class UniPrefillConfig:
     # chunked prompts run dense).
     max_stash_tokens: int | None = None
     dense_prefix_tokens: int = 0
+    # Run a dropping step's layers torch.compile'd (None: when vLLM compiles its model).
+    compile_drop_steps: bool | None = None
     enabled: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -91,6 +95,10 @@ class UniPrefillConfig:
             )
         if not isinstance(self.enabled, bool):
             raise ValueError(f"enabled must be true or false, got {self.enabled!r}")
+        if self.compile_drop_steps is not None and not isinstance(self.compile_drop_steps, bool):
+            raise ValueError(
+                f"compile_drop_steps must be null, true or false, got {self.compile_drop_steps!r}"
+            )
         if self.drop_layers is not None:
             layers = self.drop_layers
             if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):

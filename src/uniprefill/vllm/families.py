@@ -9,10 +9,12 @@ staged forward hooks:
 
 * ``attention(layer)``: the vLLM ``Attention`` module of a full-attention
   layer, whose inputs are the post-RoPE q and k used for scoring;
-* ``gather_module``: the sub-module each layer calls with
-  ``(hidden_states, residual)`` right after its token mixer. The selection is
-  applied there, so the drop layer's own attention saw every token and its
-  MLP/MoE and every later layer see only the kept ones.
+* ``mixer_modules`` / ``ffn_modules``: the sub-modules of a decoder layer before
+  and from its gather point, in call order. The first FFN module is the one each
+  layer calls with ``(hidden_states, residual)`` right after its token mixer; the
+  selection is applied there, so the drop layer's own attention saw every token and
+  its MLP/MoE and every later layer see only the kept ones
+  (``uniprefill.vllm.segments`` splits a drop layer there).
 
 A fourth family is one entry here plus one small model class in
 ``uniprefill.vllm.models``.
@@ -87,7 +89,14 @@ class ModelFamily:
     model_class: str
     layer_types: Callable[[Any], list[str]]
     default_schedule: Callable[[Sequence[str]], tuple[int, ...]]
-    gather_module: str
+    mixer_modules: tuple[str, ...]
+    ffn_modules: tuple[str, ...]
+    # Flags of a layer that act on the mixer's output (off in the FFN half).
+    ffn_attrs_off: tuple[str, ...] = ()
+
+    @property
+    def gather_module(self) -> str:
+        return self.ffn_modules[0]
 
     def attention(self, layer: Any) -> Any:
         """The vLLM ``Attention`` module of a full-attention decoder layer."""
@@ -127,7 +136,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
         model_class="uniprefill.vllm.models.llama:UniPrefillLlamaForCausalLM",
         layer_types=_llama_layer_types,
         default_schedule=_llama_schedule,
-        gather_module="post_attention_layernorm",
+        mixer_modules=("input_layernorm", "self_attn"),
+        ffn_modules=("post_attention_layernorm", "mlp"),
     ),
     ModelFamily(
         family="gemma3",
@@ -137,7 +147,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
         default_schedule=_gemma3_schedule,
         # Gemma 3 normalises the attention output alone, then adds the residual
         # in pre_feedforward_layernorm: that call is the first to carry both.
-        gather_module="pre_feedforward_layernorm",
+        mixer_modules=("input_layernorm", "self_attn", "post_attention_layernorm"),
+        ffn_modules=("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm"),
     ),
     ModelFamily(
         family="qwen3_next",
@@ -145,7 +156,10 @@ FAMILIES: tuple[ModelFamily, ...] = (
         model_class="uniprefill.vllm.models.qwen3_next:UniPrefillQwen3NextForCausalLM",
         layer_types=_qwen3_next_layer_types,
         default_schedule=_qwen3_next_schedule,
-        gather_module="post_attention_layernorm",
+        mixer_modules=("input_layernorm", "self_attn"),
+        ffn_modules=("post_attention_layernorm", "mlp"),
+        # layer_scale multiplies the attention output, before the gather point.
+        ffn_attrs_off=("layer_scale",),
     ),
 )
 

@@ -20,6 +20,10 @@ model classes in ``uniprefill.vllm.models``), the model's ``get_model_state_cls`
 
 Elsewhere, on instances UniPrefill creates or owns (no class of vLLM changes):
 
+* ``forward`` of each drop layer's attention backend instance (``layer.impl``;
+  ``models/base.py``; 0.26 - 0.34): scores a dropping step's post-RoPE q/k. The
+  backend runs outside compiled graphs (vLLM calls it from its attention custom op),
+  so it sees them in compiled segments too; otherwise it passes through.
 * ``KVCacheCoordinator.cache_blocks`` of the scheduler's coordinator
   (``scheduler.py``; 0.26 - 0.34): caps what a prompt that may drop publishes to the
   prefix cache. Only in UniPrefill's scheduler, set when prefix caching is on.

@@ -41,6 +41,7 @@ class UniPrefillWorkerExtension:
         out = rt.stats.as_dict()
         out["records"] = len(rt.table)
         out["stashed"] = len(rt.stash.by_slot)
+        out["compiled_drop_steps"] = self.model_runner.get_model().drop_steps_compiled  # type: ignore[attr-defined]
         return out
 
     def uniprefill_configure(self, options: dict[str, Any]) -> dict[str, Any]:

@@ -1,15 +1,19 @@
 """What every UniPrefill model class adds to vLLM's: the forward of a dropping step.
 
 A step in which no row drops (decode, short prompts, chunk continuations) runs
-vLLM's own forward: compiled, with CUDA graphs. A dropping step runs the layer
-loop below, eagerly: at each drop layer the attention's q/k are scored, and right
-after the token mixer hidden states, residual and positions are gathered, so the
-drop layer's MLP and every later layer see only the kept tokens.
+vLLM's own forward: compiled, with CUDA graphs. A dropping step runs the layers in
+segments between gather points (``uniprefill.vllm.segments``), compiled when vLLM
+compiles: the drop layer's attention scores q/k as it runs (its backend's
+``forward`` is wrapped), and between segments the runtime gathers hidden states,
+residual and positions, so the drop layer's MLP and every later layer see only the
+kept tokens.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from typing import Any
 
 import torch
@@ -21,6 +25,9 @@ from uniprefill.vllm.runtime import (
     compaction_reserve_bytes,
     stash_reserve_bytes,
 )
+from uniprefill.vllm.segments import SegmentFn, build_segments, compile_segment
+
+logger = logging.getLogger("vllm.uniprefill")
 
 
 def uniprefill_config(additional_config: Any) -> UniPrefillConfig | None:
@@ -59,15 +66,33 @@ class UniPrefillModel:
                     "uniprefill: MoE reduce-scatter across tensor-parallel ranks is not "
                     "supported (it splits the token set UniPrefill compacts)"
                 )
+        fam = self.family
         for d in self.drop_layers:
-            attn = self.family.attention(layers[d])
-            gather = getattr(layers[d], self.family.gather_module)
-            attn.register_forward_pre_hook(
-                functools.partial(_score_hook, self, d), with_kwargs=True
-            )
-            gather.register_forward_pre_hook(
-                functools.partial(_gather_hook, self, d), with_kwargs=True
-            )
+            _score_in_attention(self, d, fam.attention(layers[d]))
+        self._segments = build_segments(
+            layers,
+            self.drop_layers,
+            self.model.norm,  # type: ignore[attr-defined]
+            mixer=fam.mixer_modules,
+            ffn=fam.ffn_modules,
+            ffn_attrs_off=fam.ffn_attrs_off,
+        )
+        # Compiled as vLLM's own model is, unless the setting says otherwise.
+        self._compiled = cfg.compile_drop_steps
+        if self._compiled is None:
+            from vllm.config.compilation import CompilationMode
+
+            self._compiled = vllm_config.compilation_config.mode != CompilationMode.NONE
+        self._segment_fns: list[SegmentFn] = [
+            compile_segment(seg, i) if self._compiled else seg.forward
+            for i, seg in enumerate(self._segments)
+        ]
+        self._segments_warm = not self._compiled
+
+    @property
+    def drop_steps_compiled(self) -> bool:
+        """Whether steps that drop run their segments compiled (reported in the stats)."""
+        return bool(self._compiled)
 
     # ---- vLLM seams ------------------------------------------------------------------------
     def get_model_state_cls(self) -> type:
@@ -122,7 +147,9 @@ class UniPrefillModel:
         rt = self.uniprefill
         fc = get_forward_context()
         if fc.attn_metadata is None:
-            return self._profile_forward(dense, positions)
+            out = self._profile_forward(dense, positions)
+            self._warm_segments(input_ids, positions, inputs_embeds)
+            return out
         step = rt.step if rt is not None else None
         if step is None:
             return dense()
@@ -145,15 +172,46 @@ class UniPrefillModel:
         residual = None
         self._dropping = True
         try:
-            for layer in inner.layers:
-                # step.positions shrinks at each drop layer's gather point.
-                hidden, residual = layer(
-                    positions=step.positions, hidden_states=hidden, residual=residual
-                )
+            for run_segment, drop in zip(self._segment_fns, (*self.drop_layers, None), strict=True):
+                hidden, residual = run_segment(step.positions, hidden, residual)
+                if drop is not None:  # step.positions shrinks here
+                    hidden, residual = rt.on_gather_point(drop, hidden, residual)
         finally:
             self._dropping = False
-        hidden, _ = inner.norm(hidden, residual)
         return rt.finish_forward(hidden)
+
+    def _warm_segments(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: Any
+    ) -> None:
+        """Compile the segments in vLLM's first dummy run, not in the first real prefill.
+
+        Attention without metadata computes nothing (vLLM's profiling path), so this
+        traces and compiles each segment once, for any token count.
+        """
+        if self._segments_warm or positions.shape[-1] < 2:
+            return
+        t0 = time.perf_counter()
+        inner = self.model  # type: ignore[attr-defined]
+        hidden = inputs_embeds if inputs_embeds is not None else inner.embed_input_ids(input_ids)
+        residual = None
+        self._segments_warm = True
+        try:
+            for run_segment in self._segment_fns:
+                hidden, residual = run_segment(positions, hidden, residual)
+        except Exception as e:  # noqa: BLE001 - an engine that runs beats one that stops
+            self._compiled = False
+            self._segment_fns = [seg.forward for seg in self._segments]
+            logger.warning(
+                "uniprefill: compiling the dropping step failed, dropping steps run eager "
+                "(compile_drop_steps=false skips the attempt): %r",
+                e,
+            )
+            return
+        logger.info(
+            "uniprefill: %d segments of the dropping step compiled in %.1f s",
+            len(self._segment_fns),
+            time.perf_counter() - t0,
+        )
 
     def _profile_forward(self, dense: Any, positions: torch.Tensor) -> Any:
         """vLLM's memory-profiling run (no attention metadata): hold the compaction peak.
@@ -198,34 +256,30 @@ class UniPrefillModel:
             del reserve
 
 
-def _score_hook(model: UniPrefillModel, layer: int, module: Any, args: tuple, kwargs: dict) -> None:
-    if torch.compiler.is_compiling() or not model._dropping:
-        return None
-    q = args[0] if len(args) > 0 else kwargs["query"]
-    k = args[1] if len(args) > 1 else kwargs["key"]
-    assert model.uniprefill is not None
-    model.uniprefill.on_attention_input(
-        layer,
-        q,
-        k,
-        module.num_heads,
-        module.num_kv_heads,
-        module.head_size,
-        float(module.impl.scale),
-    )
-    return None
+def _score_in_attention(model: UniPrefillModel, layer_idx: int, attention: Any) -> None:
+    """Score q/k at a drop layer inside its attention backend's ``forward``.
 
+    The backend runs outside any compiled graph (vLLM calls it from an opaque
+    custom op, in eager and compiled models alike), so it sees the post-RoPE q/k of
+    every dropping step; in other steps, and while a graph is traced or captured,
+    it only passes through. The wrapper shadows ``forward`` on this layer's
+    backend instance (catalogued in ``patches.py``).
+    """
+    impl = attention.impl
+    backend_forward = impl.forward
 
-def _gather_hook(model: UniPrefillModel, layer: int, module: Any, args: tuple, kwargs: dict) -> Any:
-    if torch.compiler.is_compiling() or not model._dropping:
-        return None
-    hidden = args[0] if len(args) > 0 else kwargs.pop("hidden_states", None)
-    residual = args[1] if len(args) > 1 else kwargs.pop("residual", None)
-    if hidden is None or residual is None:
-        raise RuntimeError(
-            f"uniprefill: {model.family.gather_module} of layer {layer} got no "
-            "(hidden_states, residual)"
-        )
-    assert model.uniprefill is not None
-    hidden, residual = model.uniprefill.on_gather_point(layer, hidden, residual)
-    return (hidden, residual, *args[2:]), kwargs
+    def forward(layer: Any, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any):
+        if model._dropping and not torch.compiler.is_compiling():
+            assert model.uniprefill is not None
+            model.uniprefill.on_attention_input(
+                layer_idx,
+                query,
+                key,
+                layer.num_heads,
+                layer.num_kv_heads,
+                layer.head_size,
+                float(impl.scale),
+            )
+        return backend_forward(layer, query, key, *args, **kwargs)
+
+    impl.forward = forward

@@ -1,0 +1,133 @@
+"""A dropping step's forward, in segments between gather points; compiled when vLLM is.
+
+The token set changes only at a drop layer's gather point (right after its token
+mixer), so the layers run in segments of fixed token count:
+
+* segment 0: every layer before the first drop layer, then that layer's mixer half;
+* segment k: drop layer k's FFN half (from its gather module on), the layers up to
+  drop layer k+1, and that layer's mixer half;
+* the last segment: the last drop layer's FFN half, the remaining layers, the norm.
+
+A layer's halves are shallow copies of vLLM's decoder layer that share its modules
+and weights, with the other half's sub-modules stood in for by :class:`Skipped`
+(which passes ``hidden_states`` and ``residual`` through), so vLLM's own layer
+``forward`` runs either half. The runtime's glue between segments (selection,
+gather, next stage's metadata) stays eager. In a compiled engine each segment is
+``torch.compile``'d once, with a dynamic token count, so a dropping step runs
+Inductor-fused kernels as vLLM's compiled model does, instead of its unfused
+PyTorch ops in eager mode.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Skipped(nn.Module):
+    """Stands for a sub-module a layer half does not run: passes its input through."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        residual = args[1] if len(args) > 1 else kwargs.get("residual")
+        return hidden if residual is None else (hidden, residual)
+
+
+def layer_half(layer: nn.Module, skip: Sequence[str], attrs_off: Sequence[str] = ()) -> nn.Module:
+    """``layer`` with the sub-modules ``skip`` passed through and flags ``attrs_off`` off."""
+    missing = [name for name in (*skip, *attrs_off) if not hasattr(layer, name)]
+    if missing:
+        raise RuntimeError(
+            f"uniprefill: {type(layer).__name__} has no {missing}; this vLLM's decoder "
+            "layer differs from what UniPrefill splits at the gather point"
+        )
+    half = copy.copy(layer)
+    half._modules = dict(layer._modules)  # its own module table; weights stay shared
+    for name in skip:
+        half._modules[name] = Skipped()
+    for name in attrs_off:
+        object.__setattr__(half, name, False)
+    return half
+
+
+class Segment:
+    """Layers (or halves) run on one token set, with the model's final norm if last."""
+
+    def __init__(self, pieces: Sequence[nn.Module], norm: nn.Module | None) -> None:
+        self.pieces = list(pieces)
+        self.norm = norm
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        for piece in self.pieces:
+            hidden, residual = piece(positions=positions, hidden_states=hidden, residual=residual)
+        if self.norm is not None:
+            hidden, _ = self.norm(hidden, residual)
+        return hidden, residual
+
+
+def build_segments(
+    layers: Sequence[nn.Module],
+    drop_layers: Sequence[int],
+    norm: nn.Module,
+    mixer: Sequence[str],
+    ffn: Sequence[str],
+    ffn_attrs_off: Sequence[str] = (),
+) -> list[Segment]:
+    """``len(drop_layers) + 1`` segments covering ``layers`` and the final ``norm``.
+
+    ``mixer`` names the sub-modules a drop layer runs before its gather point,
+    ``ffn`` those from its gather module on; ``ffn_attrs_off`` are flags of the
+    layer that apply to the mixer's output and must not apply twice.
+    """
+    segments: list[Segment] = []
+    start: nn.Module | None = None  # FFN half of the previous drop layer
+    first = 0
+    for d in drop_layers:
+        pieces = ([start] if start is not None else []) + list(layers[first:d])
+        pieces.append(layer_half(layers[d], skip=ffn))
+        segments.append(Segment(pieces, None))
+        start = layer_half(layers[d], skip=mixer, attrs_off=ffn_attrs_off)
+        first = d + 1
+    pieces = ([start] if start is not None else []) + list(layers[first:])
+    segments.append(Segment(pieces, norm))
+    return segments
+
+
+SegmentFn = Callable[
+    [torch.Tensor, torch.Tensor, "torch.Tensor | None"],
+    "tuple[torch.Tensor, torch.Tensor | None]",
+]
+
+
+def compile_segment(segment: Segment, index: int) -> SegmentFn:
+    """``segment.forward`` under ``torch.compile`` (Inductor, dynamic token count).
+
+    Each segment gets its own code object, so Dynamo keeps one cache entry per
+    segment (all segments share ``Segment.forward``'s code otherwise, and more
+    segments than Dynamo's cache limit would fall back to eager). vLLM's IR ops
+    (RMSNorm) are traced as their PyTorch implementation, which Inductor fuses,
+    rather than as opaque custom ops that vLLM's own compiler would lower.
+    """
+    from vllm.ir import enable_torch_wrap
+
+    code = Segment.forward.__code__.replace(co_name=f"uniprefill_segment_{index}")
+    fn = types.FunctionType(code, Segment.forward.__globals__, code.co_name)
+    compiled = torch.compile(types.MethodType(fn, segment), fullgraph=True, backend="inductor")
+
+    def run(
+        positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        for t in (positions, hidden, residual):
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        with enable_torch_wrap(False):
+            return compiled(positions, hidden, residual)
+
+    return run
