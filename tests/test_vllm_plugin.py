@@ -308,6 +308,9 @@ def test_drops_match_hf_reference(arch_model: tuple[str, Path], compiled: bool):
         _close(llm)
     want, kept = _hf_expected(path, arch, prompts)
     assert stats["compiled_drop_steps"] is compiled
+    # One graph per segment, compiled at start-up: no recompile (a stall) on a real step.
+    num_segments = len(DROP_LAYERS[arch]) + 1
+    assert stats["segment_graphs_compiled"] == (num_segments if compiled else 0)
     assert stats["kept_tokens"] == kept
     if HF_DTYPE[arch] == "float32":
         assert got == want

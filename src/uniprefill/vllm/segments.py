@@ -100,6 +100,22 @@ def build_segments(
     return segments
 
 
+# Graphs Inductor compiled for segments in this process: one per segment once warmed
+# up; more means a guard failed at run time (a stall of seconds), which the tests catch.
+_graphs_compiled = [0]
+
+
+def graphs_compiled() -> int:
+    return _graphs_compiled[0]
+
+
+def _inductor(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    from torch._inductor.compile_fx import compile_fx
+
+    _graphs_compiled[0] += 1
+    return compile_fx(graph, example_inputs)
+
+
 SegmentFn = Callable[
     [torch.Tensor, torch.Tensor, "torch.Tensor | None"],
     "tuple[torch.Tensor, torch.Tensor | None]",
@@ -119,7 +135,7 @@ def compile_segment(segment: Segment, index: int) -> SegmentFn:
 
     code = Segment.forward.__code__.replace(co_name=f"uniprefill_segment_{index}")
     fn = types.FunctionType(code, Segment.forward.__globals__, code.co_name)
-    compiled = torch.compile(types.MethodType(fn, segment), fullgraph=True, backend="inductor")
+    compiled = torch.compile(types.MethodType(fn, segment), fullgraph=True, backend=_inductor)
 
     def run(
         positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None

@@ -8,6 +8,7 @@ from typing import Any
 
 from uniprefill.config import UniPrefillConfig
 from uniprefill.vllm.runtime import UniPrefillRuntime
+from uniprefill.vllm.segments import graphs_compiled
 
 logger = logging.getLogger("vllm.uniprefill")
 
@@ -41,7 +42,9 @@ class UniPrefillWorkerExtension:
         out = rt.stats.as_dict()
         out["records"] = len(rt.table)
         out["stashed"] = len(rt.stash.by_slot)
-        out["compiled_drop_steps"] = self.model_runner.get_model().drop_steps_compiled  # type: ignore[attr-defined]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        out["compiled_drop_steps"] = model.drop_steps_compiled
+        out["segment_graphs_compiled"] = graphs_compiled()
         return out
 
     def uniprefill_configure(self, options: dict[str, Any]) -> dict[str, Any]:

@@ -167,7 +167,9 @@ class UniPrefillModel:
         rt, inner = self.uniprefill, self.model  # type: ignore[attr-defined]
         assert rt is not None and rt.step is not None
         step = rt.step
-        step.positions, step.num_tokens_padded = positions, positions.shape[0]
+        # A copy made in vLLM's inference mode, like the gathered positions of later
+        # segments (and the warm-up's): a compiled segment's guards check the tensor kind.
+        step.positions, step.num_tokens_padded = positions.clone(), positions.shape[0]
         hidden = inputs_embeds if inputs_embeds is not None else inner.embed_input_ids(input_ids)
         residual = None
         self._dropping = True
@@ -195,6 +197,7 @@ class UniPrefillModel:
         hidden = inputs_embeds if inputs_embeds is not None else inner.embed_input_ids(input_ids)
         residual = None
         self._segments_warm = True
+        positions = positions.clone()  # as in _dropping_forward
         try:
             for run_segment in self._segment_fns:
                 hidden, residual = run_segment(positions, hidden, residual)
