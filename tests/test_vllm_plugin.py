@@ -466,26 +466,53 @@ def test_prefix_cache_settings(tiny_llama: Path, tiny_qwen3_next: Path):
     assert hybrid.scheduler_config.scheduler_cls is None
 
 
-def test_preempted_requests_restart_cleanly(tiny_llama: Path):
+@pytest.fixture(scope="module")
+def undisturbed_runs(tiny_llama: Path) -> list[list[int]]:
+    """The preemption test's prompts with KV room for all of them: nobody is preempted."""
+    llm = _llm(tiny_llama, "llama", PREEMPT_CFG)
+    try:
+        out = _tokens(llm.generate(_prompts(*PREEMPT_PROMPTS), _greedy(PREEMPT_TOKENS)))
+        assert collect(llm)["restarted"] == 0
+        return out
+    finally:
+        _close(llm)
+
+
+PREEMPT_CFG = {"top_p": 0.9, "drop_layers": [1, 3], **SMALL}
+PREEMPT_PROMPTS = ((400, 400, 400), 6)
+PREEMPT_TOKENS = 200
+
+
+@pytest.mark.parametrize("budget", [2048, 256], ids=["one-step", "chunked"])
+def test_preempted_requests_repeat_their_drops(
+    tiny_llama: Path, undisturbed_runs: list[list[int]], budget: int
+):
     """Too few KV blocks for three long requests: vLLM preempts and recomputes some.
 
-    A recomputed request starts from scratch (its compacted KV is gone): its record
-    must be dropped, its recompute (prompt + generated tokens) runs dense, and it
-    must still finish."""
-    prompts = _prompts((400, 400, 400), seed=6)
-    cfg = {"top_p": 0.9, "drop_layers": [1, 3], **SMALL}
+    A recompute starts from scratch (its compacted KV is gone): it prefills prompt and
+    generated tokens, drops the prompt's tokens as the first prefill did (scored by the
+    prompt's own last queries) and keeps every generated one, so each request decodes
+    exactly what it decodes undisturbed; with a 256-token budget the first prefills
+    and the recomputes come in chunks. Records are freed."""
     llm = _llm(
-        tiny_llama, "llama", cfg, num_gpu_blocks_override=40, block_size=32, max_model_len=1024
+        tiny_llama,
+        "llama",
+        PREEMPT_CFG,
+        num_gpu_blocks_override=40,
+        block_size=32,
+        max_model_len=1024,
+        max_num_batched_tokens=budget,
     )
     try:
-        outs = llm.generate(prompts, _greedy(200))
+        outs = _tokens(llm.generate(_prompts(*PREEMPT_PROMPTS), _greedy(PREEMPT_TOKENS)))
         llm.generate(_prompts((10,), seed=4), _greedy(1))  # delivers the finished ids
         stats = collect(llm)
     finally:
         _close(llm)
-    assert [len(t) for t in _tokens(outs)] == [200, 200, 200]
     assert stats["restarted"] >= 1
-    assert stats["records"] == 0
+    assert stats["dropped_prefills"] >= 3 + stats["restarted"]  # recomputes drop too
+    assert stats["records"] == 0 and stats["stashed"] == 0
+    assert outs == undisturbed_runs
 
 
 # ---- start-up errors ---------------------------------------------------------------------

@@ -109,17 +109,18 @@ class UniPrefillStateMixin:
         prompt = list(new_req_data.prompt_token_ids or ())
         prefill = new_req_data.prefill_token_ids
         rt = self.uniprefill
-        # A request resumed after a preemption prefills prompt + outputs: dense.
-        restarted = prefill is not None and len(prefill) > len(prompt)
+        # A request resumed after a preemption prefills prompt + its generated tokens.
+        generated = max(0, len(prefill) - len(prompt)) if prefill is not None else 0
         rt.add_request(
             req_index,
             new_req_data.req_id,
             len(prompt),
-            restarted or runs_dense(new_req_data.sampling_params),
+            runs_dense(new_req_data.sampling_params),
             # Tokens found in vLLM's prefix cache (dense at every layer, see scheduler.py).
             start=int(new_req_data.num_computed_tokens),
+            generated=generated,
         )
-        rt.stats.restarted += int(restarted)
+        rt.stats.restarted += int(generated > 0)
 
     def remove_request(self, req_id: str) -> None:
         super().remove_request(req_id)  # type: ignore[misc]

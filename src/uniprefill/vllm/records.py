@@ -31,7 +31,7 @@ class DropStats:
     kept: list[int] = field(default_factory=list)
     dropped_prefills: int = 0
     # Requests vLLM recomputed from scratch after a preemption (their prefill, prompt
-    # plus generated tokens, runs dense).
+    # plus generated tokens, drops the prompt's tokens again, keeping the generated ones).
     restarted: int = 0
     # Prompts prefilled over several steps that were scored in their last chunk, and
     # chunked prompts that ran dense because the stash had no room for them.
@@ -59,7 +59,7 @@ class DropStats:
 
 
 class RequestTable:
-    """``slot -> (req_id, prompt_len, start, dropped[stage])`` for the requests vLLM holds."""
+    """``slot -> (req_id, prompt_len, start, generated, dropped[stage])`` for vLLM's requests."""
 
     def __init__(self, max_num_reqs: int, num_stages: int, device: torch.device) -> None:
         # num_stages counts stage 0, whose dropped count is always 0.
@@ -71,6 +71,9 @@ class RequestTable:
         # Prompt tokens vLLM's prefix cache held when the request arrived: dense at every
         # layer, never scored; the prefill starts after them.
         self.start = np.zeros(max_num_reqs, dtype=np.int64)
+        # Tokens the request had generated before a preemption: its recompute prefills
+        # them after the prompt, kept at every layer (0 for a request's first prefill).
+        self.generated = np.zeros(max_num_reqs, dtype=np.int64)
         self.dropped = np.zeros((max_num_reqs, num_stages), dtype=np.int64)
         self.dropped_gpu = torch.zeros((max_num_reqs, num_stages), dtype=torch.int32, device=device)
 
@@ -79,7 +82,13 @@ class RequestTable:
         return int(np.count_nonzero(self.dropped[:, -1]))
 
     def add(
-        self, slot: int, req_id: str, prompt_len: int, runs_dense: bool, start: int = 0
+        self,
+        slot: int,
+        req_id: str,
+        prompt_len: int,
+        runs_dense: bool,
+        start: int = 0,
+        generated: int = 0,
     ) -> None:
         self.remove(req_id)
         self.req_ids[slot] = req_id
@@ -87,6 +96,7 @@ class RequestTable:
         self.prompt_len[slot] = prompt_len
         self.runs_dense[slot] = runs_dense
         self.start[slot] = start
+        self.generated[slot] = generated
         self._clear(slot)
 
     def remove(self, req_id: str) -> None:

@@ -118,6 +118,9 @@ class StepContext:
     # set that are never dropped (dense_prefix_tokens not yet cached).
     start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     protect: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # Per row the tokens at the end of its selection set that are never dropped: what a
+    # request recomputed after a preemption had generated (0 for a first prefill).
+    tail: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # Layer name -> slot mapping to put into the forward context before the forward
     # (decode rows of compacted requests write K/V at their compacted offsets).
     slot_overrides: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -131,11 +134,14 @@ class StepContext:
     kept_at: np.ndarray | None = None  # [R, S+1] tokens of each row alive in each stage
     # Set at the first drop layer when a last chunk reads its stash.
     extended: _Extended | None = None
-    # Row -> (keys, tail queries) of a stashing row, taken at the drop layer's attention
-    # until its gather point completes the chunk.
-    chunk_keys: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    # Row -> (keys, (offset in the chunk, queries) of the prompt's last last_q tokens in
+    # it) of a stashing row, taken at the drop layer's attention until its gather point
+    # completes the chunk.
+    chunk_keys: dict[int, tuple[torch.Tensor, tuple[int, torch.Tensor] | None]] = field(
+        default_factory=dict
+    )
     # The current drop layer's selection rows -> step rows, when rows with a protected
-    # head were split in two (None: one selection row per step row).
+    # head or tail were split (None: one selection row per step row).
     sub_owner: np.ndarray | None = None
 
     def __post_init__(self) -> None:
@@ -147,6 +153,8 @@ class StepContext:
         if len(self.start) == 0:
             self.start = np.zeros(n, dtype=np.int64)
             self.protect = np.zeros(n, dtype=np.int64)
+        if len(self.tail) == 0:
+            self.tail = np.zeros(n, dtype=np.int64)
 
     @property
     def dropping(self) -> bool:
@@ -215,10 +223,16 @@ class UniPrefillRuntime:
 
     # ---- requests (model state) ----------------------------------------------------------
     def add_request(
-        self, slot: int, req_id: str, prompt_len: int, runs_dense: bool, start: int = 0
+        self,
+        slot: int,
+        req_id: str,
+        prompt_len: int,
+        runs_dense: bool,
+        start: int = 0,
+        generated: int = 0,
     ) -> None:
         self.stash.release(slot)
-        self.table.add(slot, req_id, prompt_len, runs_dense, start)
+        self.table.add(slot, req_id, prompt_len, runs_dense, start, generated)
 
     def remove_request(self, req_id: str) -> None:
         slot = self.table.slot_of.get(req_id)
@@ -242,6 +256,8 @@ class UniPrefillRuntime:
         ctx0 = np.asarray(ctx0, dtype=np.int64)
         prompt = self.table.prompt_len[slots]
         start = self.table.start[slots]
+        generated = self.table.generated[slots]
+        prefill_end = prompt + generated  # a recompute also prefills the generated tokens
         end = ctx0 + qlen0
         eligible = (
             (prompt > cfg.sink + cfg.last_q)
@@ -250,8 +266,7 @@ class UniPrefillRuntime:
         )
         if cfg.top_p >= 1.0 and cfg.keep_ratio is None:
             eligible[:] = False  # p = 1 keeps every block: the dense path, exactly
-        # Chunks after the first of a prompt whose first chunk opened a stash. A
-        # recompute after preemption (prompt + generated tokens) runs dense.
+        # Chunks after the first of a prompt whose first chunk opened a stash.
         in_stash = np.fromiter((int(s) in self.stash for s in slots), bool, len(slots))
         continued = in_stash & (ctx0 > start)
         if continued.any() and not may_drop:
@@ -261,15 +276,15 @@ class UniPrefillRuntime:
                 "FULL_AND_PIECEWISE or PIECEWISE, or max_stash_tokens=0"
             )
         first = eligible & (ctx0 == start) & may_drop
-        droppable = first & (end == prompt)
-        stashing = continued & (end < prompt)
-        last_chunk = continued & (end == prompt)
+        droppable = first & (end == prefill_end)
+        stashing = continued & (end < prefill_end)
+        last_chunk = continued & (end == prefill_end)
         stash_len = np.zeros(len(slots), dtype=np.int64)
         for r in np.flatnonzero(last_chunk):
             stash_len[r] = self.stash.get(int(slots[r])).num_tokens
         droppable |= last_chunk
-        for r in np.flatnonzero(first & (end < prompt)):
-            if self.stash.open(int(slots[r]), int(prompt[r] - start[r])):
+        for r in np.flatnonzero(first & (end < prefill_end)):
+            if self.stash.open(int(slots[r]), int(prefill_end[r] - start[r])):
                 stashing[r] = True
             else:
                 self.stats.stash_full += 1
@@ -284,6 +299,7 @@ class UniPrefillRuntime:
             stash_len=stash_len,
             start=start,
             protect=np.maximum(0, cfg.dense_prefix_tokens - start),
+            tail=generated,
         )
         return self.step
 
@@ -391,24 +407,28 @@ class UniPrefillRuntime:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Rows the selection scores and their starts.
 
-        A row whose first tokens are protected (``dense_prefix_tokens``) becomes two
-        selection rows, the protected head kept whole and the rest scored on its own,
-        so that the selection does not depend on whether the head came from vLLM's
-        prefix cache.
+        A row with a protected head (``dense_prefix_tokens``) or tail (the generated
+        tokens of a recompute after a preemption) becomes up to three selection rows:
+        the head and the tail kept whole, the middle scored on its own. So the
+        selection does not depend on whether the head came from vLLM's prefix cache,
+        and a recompute scores its prompt with the prompt's own last queries, as its
+        first prefill did.
         """
         cfg = self.config
-        protect = np.where(step.droppable, np.minimum(step.protect, lens), 0)
-        rows = step.droppable & (lens - protect > cfg.sink + cfg.last_q)
-        split = rows & (protect > 0)
+        head = np.where(step.droppable, np.minimum(step.protect, lens), 0)
+        tail = np.where(step.droppable, np.minimum(step.tail, lens - head), 0)
+        rows = step.droppable & (lens - head - tail > cfg.sink + cfg.last_q)
+        split = rows & ((head > 0) | (tail > 0))
         step.sub_owner = None
         if not split.any():
             return rows, qsl
-        head = np.where(split, protect, lens)
-        pair_lens = np.stack([head, lens - head], axis=1).ravel()
-        pair_rows = np.stack([rows & ~split, split], axis=1).ravel()
-        present = np.stack([np.ones_like(split), split], axis=1).ravel()
-        step.sub_owner = np.repeat(np.arange(len(lens)), 1 + split.astype(np.int64))
-        return pair_rows[present], _query_start(pair_lens[present])
+        head, tail = np.where(split, head, 0), np.where(split, tail, 0)
+        parts = np.stack([head, lens - head - tail, tail], axis=1)
+        scored = np.stack([np.zeros_like(rows), rows, np.zeros_like(rows)], axis=1)
+        present = parts > 0
+        present[:, 1] = True  # every row keeps its middle part (a whole unsplit row)
+        step.sub_owner = np.repeat(np.arange(len(lens)), present.sum(axis=1))
+        return scored[present], _query_start(parts[present])
 
     def _stash_keys(
         self, step: StepContext, q: torch.Tensor, k: torch.Tensor, qsl: np.ndarray
@@ -418,8 +438,13 @@ class UniPrefillRuntime:
         for r in np.flatnonzero(step.stashing):
             a, b = int(qsl[r]), int(qsl[r + 1])
             prompt = int(self.table.prompt_len[step.slots[r]])
-            tail = min(b - a, max(0, int(step.ctx0[r]) + (b - a) - (prompt - last_q)))
-            step.chunk_keys[int(r)] = (k[a:b].clone(), q[b - tail : b].clone() if tail else None)
+            # The scoring queries are the prompt's last last_q tokens; a recompute's
+            # chunk may also hold generated tokens after them.
+            c0 = int(step.ctx0[r])
+            lo = max(c0, prompt - last_q) - c0
+            hi = min(c0 + b - a, prompt) - c0
+            tail = (lo, q[a + lo : a + hi].clone()) if hi > lo else None
+            step.chunk_keys[int(r)] = (k[a:b].clone(), tail)
 
     def _extend_scoring(
         self, step: StepContext, q: torch.Tensor, k: torch.Tensor, qsl: np.ndarray
@@ -439,9 +464,14 @@ class UniPrefillRuntime:
             n_stash = int(step.stash_len[r])
             if n_stash:
                 stash = self.stash.get(int(step.slots[r]))
-                tails = [c.tail_queries for c in stash.chunks if c.tail_queries is not None]
-                n_tail = sum(t.shape[0] for t in tails)
-                qs += [q.new_zeros((n_stash - n_tail, *q.shape[1:])), *tails]
+                stash_q = q.new_zeros((n_stash, *q.shape[1:]))
+                offset = 0
+                for c in stash.chunks:
+                    if c.tail_queries is not None:
+                        at = offset + c.tail_offset
+                        stash_q[at : at + c.tail_queries.shape[0]] = c.tail_queries
+                    offset += c.hidden.shape[0]
+                qs.append(stash_q)
                 ks.append(stash.cat("keys"))
                 to_source.append(np.arange(source_off, source_off + n_stash))
                 source_off += n_stash
@@ -471,14 +501,15 @@ class UniPrefillRuntime:
         if step.stashing.any():
             qsl = _query_start(step.qlen)
             assert step.positions is not None
-            for r, (keys, tail_queries) in step.chunk_keys.items():
+            for r, (keys, tail) in step.chunk_keys.items():
                 a, b = int(qsl[r]), int(qsl[r + 1])
                 chunk = StashedChunk(
                     hidden=hidden[a:b].clone(),
                     residual=residual[a:b].clone(),
                     positions=step.positions[a:b].clone(),
                     keys=keys,
-                    tail_queries=tail_queries,
+                    tail_queries=tail[1] if tail else None,
+                    tail_offset=tail[0] if tail else 0,
                 )
                 self.stash.get(int(step.slots[r])).chunks.append(chunk)
             step.chunk_keys = {}

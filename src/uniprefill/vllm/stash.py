@@ -27,15 +27,17 @@ class StashedChunk:
     positions: torch.Tensor  # [n]
     keys: torch.Tensor  # [n, Hkv, D] (this rank's heads)
     # Queries of this chunk's tokens that are among the prompt's last last_q: [m, Hq, D],
-    # the chunk's last m tokens.
+    # from the chunk's token tail_offset on (a recompute after a preemption holds
+    # generated tokens after the prompt, so they need not be the chunk's last ones).
     tail_queries: torch.Tensor | None = None
+    tail_offset: int = 0
 
 
 @dataclass
 class PromptStash:
     """The earlier chunks of one request, in order."""
 
-    reserved: int  # tokens counted against the store (the whole prompt)
+    reserved: int  # tokens counted against the store (the whole prefill)
     chunks: list[StashedChunk] = field(default_factory=list)
 
     @property

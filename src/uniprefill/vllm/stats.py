@@ -10,8 +10,12 @@ def collect(llm: Any) -> dict[str, Any] | None:
 
     Keys: ``drop_layers``, ``seen_tokens`` and ``kept_tokens`` (per drop layer,
     summed over every dropped prefill so far), ``dropped_prefills``, ``restarted``
-    (requests recomputed after a preemption), and ``records``: requests whose
-    per-layer KV lengths are held right now.
+    (requests recomputed after a preemption), ``chunked_prefills`` and ``stash_full``
+    (prompts in chunks that dropped, and that ran dense for lack of stash room),
+    ``records`` (requests whose per-layer KV lengths are held right now), ``stashed``
+    (prompts waiting for their last chunk), ``compiled_drop_steps`` (whether dropping
+    steps run compiled) and ``segment_graphs_compiled`` (graphs compiled for them in
+    the worker process: one per segment once started).
     """
     from uniprefill.vllm.worker import EXTENSION_CLS, STATS_METHOD
 
