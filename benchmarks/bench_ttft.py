@@ -54,6 +54,8 @@ from common import (  # noqa: E402
     log,
     wait_gpu_free,
 )
+from ttft_report import fmt_len, make_plots, markdown_table, point_order  # noqa: E402
+from worker_profiler import profile_start, profile_stop  # noqa: E402
 
 LOG_PREFIX[0] = "bench_ttft"
 
@@ -81,87 +83,6 @@ def mode_config(mode: str, drop_layers: list[int] | None) -> dict[str, Any]:
     else:
         cfg.update(top_p=0.99, keep_ratio=float(mode[4:]))
     return cfg
-
-
-def _profile_start(worker: Any) -> None:
-    """Runs in the worker: start a torch profiler (CPU + CUDA when there is a GPU)."""
-    import torch
-
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
-    prof = torch.profiler.profile(activities=acts)
-    prof.start()
-    worker._bench_profiler = prof
-
-
-def _profile_stop(worker: Any, trace_path: str | None, top: int) -> dict[str, Any]:
-    """Runs in the worker: stop the profiler; summarise where host and device time went.
-
-    ``gpu_busy_ms`` is the union of kernel intervals, ``gpu_span_ms`` first kernel start
-    to last kernel end: their difference is time the GPU sat idle inside the step (host
-    launch gaps, syncs). ``gaps`` lists the longest idle stretches, each with the kernels
-    on either side, to place them.
-    """
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    prof = worker._bench_profiler
-    prof.stop()
-    worker._bench_profiler = None
-
-    def dev_us(e: Any) -> float:
-        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)))
-
-    avgs = list(prof.key_averages())
-    rows = [
-        {
-            "name": e.key[:90],
-            "count": int(e.count),
-            "self_cpu_ms": e.self_cpu_time_total / 1e3,
-            "self_dev_ms": dev_us(e) / 1e3,
-        }
-        for e in avgs
-    ]
-    by_dev = sorted(rows, key=lambda r: -r["self_dev_ms"])[:top]
-    by_cpu = sorted(rows, key=lambda r: -r["self_cpu_ms"])[:top]
-    runtime = [
-        r
-        for r in rows
-        if r["name"].startswith(("cuda", "cudaMalloc", "cudaFree")) or "Synchronize" in r["name"]
-    ]
-    kernels = []
-    for e in prof.events():
-        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > 0:
-            kernels.append((e.time_range.start, e.time_range.end, e.name[:60]))
-    kernels.sort()
-    busy, gaps, cur_s, cur_e, prev = 0.0, [], None, None, None
-    for s, e, name in kernels:
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-                gaps.append((s - cur_e, prev, name))
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-        prev = name
-    if cur_e is not None:
-        busy += cur_e - cur_s
-    span = (kernels[-1][1] - kernels[0][0]) if kernels else 0.0
-    gaps.sort(key=lambda g: -g[0])
-    if trace_path:
-        prof.export_chrome_trace(trace_path)
-    return {
-        "num_kernels": len(kernels),
-        "gpu_busy_ms": busy / 1e3,
-        "gpu_span_ms": span / 1e3,
-        "gaps": [{"ms": g / 1e3, "after": a, "before": b} for g, a, b in gaps[:top]],
-        "top_by_device": by_dev,
-        "top_by_cpu": by_cpu,
-        "runtime_calls": sorted(runtime, key=lambda r: -r["self_cpu_ms"])[:top],
-    }
 
 
 def stats_delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:
@@ -218,7 +139,7 @@ def run_batch(llm: Any, sp: Any, prompts: list[dict[str, Any]]) -> dict[str, Any
 
 def skipped(patterns: list[str], model: str, conc: int, length: int) -> bool:
     """Whether ``model:CONCxLEN`` (e.g. ``gemma3:4x32K``) matches a ``--skip-points`` glob."""
-    key = f"{model}:{conc}x{_fmt_len(length)}"
+    key = f"{model}:{conc}x{fmt_len(length)}"
     return any(fnmatch.fnmatchcase(key, pat) for pat in patterns)
 
 
@@ -563,9 +484,9 @@ class Sweep:
                 if a.profile_trace and mode != "dense" and not traced:
                     trace = str(self.out / f"trace_{name}_{mode}.json")
                     traced = True
-                llm.collective_rpc(_profile_start)
+                llm.collective_rpc(profile_start)
                 r = run_batch(llm, sp, batch_prompts(length, 1, seed=502))
-                summary = llm.collective_rpc(_profile_stop, args=(trace, 25))[0]
+                summary = llm.collective_rpc(profile_stop, args=(trace, 25))[0]
             except Exception as e:  # noqa: BLE001
                 self.error(f"{name}: profile {mode}", e)
                 continue
@@ -719,201 +640,6 @@ class Sweep:
             make_plots(self.doc, self.out)
 
 
-# ---- reporting ----------------------------------------------------------------------------
-def _fmt_len(n: int) -> str:
-    return f"{n // KB}K" if n % KB == 0 else str(n)
-
-
-def _point_order(p: dict[str, Any]) -> tuple:
-    """Table order: model, concurrency, length, then dense, top-p, keep ratios high to low."""
-    mode = p.get("mode", "")
-    rank = {"dense": 0, "dense_compiled": 1}.get(mode, 2 if mode.startswith("topp") else 3)
-    ratio = -float(mode[4:]) if mode.startswith("keep") else 0.0
-    return (p["model"], p["concurrency"], p["length"], rank, ratio)
-
-
-def markdown_table(doc: dict[str, Any]) -> str:
-    rows = [
-        "| model | length | conc | mode | TTFT median (s) | TTFT speedup | prefill tok/s | "
-        "throughput gain | kept per drop layer | alive after last drop | work share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for p in doc["points"]:
-        if "mode" not in p:
-            rows.append(
-                f"| {p['model']} | {_fmt_len(p['length'])} | {p['concurrency']} | - | "
-                f"{p['skipped']} | | | | | | |"
-            )
-            continue
-        kept = p.get("kept")
-        kept_s = (
-            " ".join(f"{x:.2f}" if x is not None else "-" for x in kept["per_layer_kept"])
-            if kept
-            else ""
-        )
-        work = f"{kept['work_share']:.2f}" if kept else ""
-        alive = f"{kept['alive_after'][-1]:.3f}" if kept else ""
-        sp = f"{p['speedup_ttft']:.2f}x" if p.get("speedup_ttft") else ""
-        gain = f"{100 * p['throughput_gain']:+.0f}%" if p.get("throughput_gain") is not None else ""
-        rows.append(
-            f"| {p['model']} | {_fmt_len(p['length'])} | {p['concurrency']} | {p['mode']}"
-            f"{' (' + p['flag'] + ')' if p.get('flag') else ''} | "
-            f"{p['ttft_median_s']:.3f} | {sp} | {p['prefill_tok_s']:,.0f} | {gain} | "
-            f"{kept_s} | {alive} | {work} |"
-        )
-    compiled = compiled_table(doc)
-    if compiled:
-        rows += ["", compiled]
-    if doc.get("errors"):
-        rows.append("")
-        rows.append("Errors:")
-        for e in doc["errors"]:
-            rows.append(f"- {e['where']}: {e['error']}")
-    return "\n".join(rows) + "\n"
-
-
-def compiled_table(doc: dict[str, Any]) -> str:
-    """Every mode against plain compiled vLLM, where that was measured: TTFT speedup and
-    prefill throughput ratio (the steadier of the two at concurrency > 1)."""
-    base = {
-        (p["model"], p["length"], p["concurrency"]): (p["ttft_median_s"], p["wall_median_s"])
-        for p in doc["points"]
-        if p.get("mode") == "dense_compiled"
-    }
-    body = []
-    for p in sorted((p for p in doc["points"] if "mode" in p), key=_point_order):
-        key = (p["model"], p["length"], p["concurrency"])
-        if key not in base or p["mode"] == "dense_compiled":
-            continue
-        ttft, wall = base[key]
-        body.append(
-            f"| {p['model']} | {_fmt_len(p['length'])} | {p['concurrency']} | {ttft:.3f} | "
-            f"{p['mode']} | {p['ttft_median_s']:.3f} | {ttft / p['ttft_median_s']:.2f}x | "
-            f"{wall / p['wall_median_s']:.2f}x |"
-        )
-    if not body:  # only compiled points (a --compiled-only file on its own)
-        return ""
-    head = [
-        "Against plain vLLM with its defaults (compiled, CUDA graphs, plugin off):",
-        "",
-        "| model | length | conc | compiled dense TTFT (s) | mode | TTFT (s) "
-        "| TTFT speedup vs compiled | throughput vs compiled |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    return "\n".join(head + body)
-
-
-def make_plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
-    """One PNG per model: speedup vs prompt length, one line per (concurrency, mode).
-
-    Left: mean TTFT speedup; right: prefill throughput speedup (dense wall / wall).
-    Points carrying a ``flag`` (e.g. polluted by kernel compilation) are left out.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib missing: no plots")
-        return []
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    pts = [
-        p
-        for p in doc["points"]
-        if "mode" in p and not p["mode"].startswith("dense") and not p.get("flag")
-    ]
-    gpu = doc.get("env", {}).get("gpu", "").split(",")[0]
-    for model in sorted({p["model"] for p in pts}):
-        mp = [p for p in pts if p["model"] == model]
-        fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.2), sharey=True)
-        modes = sorted({p["mode"] for p in mp})
-        styles = {m: s for m, s in zip(modes, ["-", "--", ":", "-."] * 3, strict=False)}
-        concs = sorted({p["concurrency"] for p in mp})
-        colors = {c: f"C{i}" for i, c in enumerate(concs)}
-        lens = sorted({p["length"] for p in mp})
-        for ax, key, title in (
-            (axes[0], "speedup_ttft", "mean TTFT speedup"),
-            (axes[1], "throughput_gain", "prefill throughput speedup"),
-        ):
-            for mode in modes:
-                for c in concs:
-                    line = sorted(
-                        (p["length"], p[key] + (1.0 if key == "throughput_gain" else 0.0))
-                        for p in mp
-                        if p["mode"] == mode and p["concurrency"] == c and p.get(key) is not None
-                    )
-                    if not line:
-                        continue
-                    xs, ys = zip(*line, strict=True)
-                    ax.plot(
-                        xs,
-                        ys,
-                        styles[mode],
-                        marker="o",
-                        color=colors[c],
-                        label=f"{mode}, concurrency {c}",
-                    )
-            ax.axhline(1.0, color="grey", lw=0.8)
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(lens)
-            ax.set_xticklabels([_fmt_len(x) for x in lens])
-            ax.set_xlabel("prompt length (tokens)")
-            ax.set_title(title, fontsize=9)
-            ax.grid(alpha=0.3)
-        axes[0].set_ylabel("x vs dense (same engine)")
-        axes[1].legend(fontsize=7)
-        fig.suptitle(
-            f"UniPrefill on {model} (random weights), {gpu}, vLLM "
-            f"{doc.get('env', {}).get('vllm', '')}",
-            fontsize=10,
-        )
-        fig.tight_layout()
-        path = out_dir / f"ttft_speedup_{model}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-        log(f"plot {path}")
-    work = _plot_work_share(plt, pts, out_dir, gpu)
-    if work is not None:
-        written.append(work)
-    return written
-
-
-def _plot_work_share(plt: Any, pts: list[dict[str, Any]], out_dir: Path, gpu: str) -> Path | None:
-    """TTFT speedup against work share (concurrency 1), one line per model and length.
-
-    Work share is the average share of prompt tokens a layer still sees; it is what
-    a trained model's top-p decides, so this curve is what transfers from random to
-    trained weights. The dashed line is 1 / work share (GEMM-bound ideal).
-    """
-    by_line: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    for p in pts:
-        if p["concurrency"] == 1 and p.get("kept") and p.get("speedup_ttft"):
-            key = (p["model"], p["length"])
-            by_line.setdefault(key, []).append((p["kept"]["work_share"], p["speedup_ttft"]))
-    if not by_line:
-        return None
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for i, ((model, length), line) in enumerate(sorted(by_line.items())):
-        xs, ys = zip(*sorted(line), strict=True)
-        ax.plot(xs, ys, marker="o", color=f"C{i}", label=f"{model} {_fmt_len(length)}")
-    grid = [0.3 + 0.01 * i for i in range(71)]
-    ax.plot(grid, [1 / w for w in grid], "k--", lw=0.8, label="1 / work share")
-    ax.set_xlabel("work share (mean share of tokens a layer sees)")
-    ax.set_ylabel("TTFT speedup vs dense (concurrency 1)")
-    ax.set_title(f"UniPrefill speedup vs work share, {gpu}", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out_dir / "ttft_vs_work_share.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    log(f"plot {path}")
-    return path
-
-
 def _ints(s: str) -> list[int]:
     out = []
     for x in s.split(","):
@@ -1033,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
         latest = {
             (p["model"], p["length"], p["concurrency"], p.get("mode")): p for p in doc["points"]
         }
-        doc["points"] = sorted(latest.values(), key=_point_order)
+        doc["points"] = sorted(latest.values(), key=point_order)
         print(markdown_table(doc))
         make_plots(doc, Path(a.out))
         return 0
