@@ -12,6 +12,9 @@ compares the tokens:
   buffers a FULL graph reads must hold what the step needs;
 * ``keep_eager`` (enforce_eager): reported, not required equal (other kernels).
 
+With ``--tp 2`` every engine runs tensor parallel, and each rank's drop counters are
+read: the ranks must keep the same tokens at every drop layer (``ranks agree``).
+
 Usage: ``python benchmarks/check_compiled.py --out $OUT`` (``--smoke-cpu`` on a CPU,
 where there are no graphs: the engines still run and must agree).
 """
@@ -43,6 +46,10 @@ def engine_kwargs(name: str, a: argparse.Namespace) -> dict[str, Any]:
         seed=0,
         dtype=a.dtype,
     )
+    if a.tp > 1:
+        # NCCL only: vLLM's custom all-reduce and symmetric-memory paths stay off (the
+        # device machines forbid NVLink multicast).
+        kw.update(tensor_parallel_size=a.tp, disable_custom_all_reduce=True)
     if a.smoke_cpu:
         kw["dtype"] = "float32"
     else:
@@ -57,7 +64,7 @@ def engine_kwargs(name: str, a: argparse.Namespace) -> dict[str, Any]:
         kw.setdefault("additional_config", {})["gdn_prefill_backend"] = "triton"
     if name == "keep_pw":
         kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
-    if name == "keep_eager":
+    if name == "keep_eager" or a.eager:
         kw["enforce_eager"] = True
     return kw
 
@@ -71,6 +78,7 @@ def run_engine(name: str, mdir: Path, a: argparse.Namespace) -> dict[str, Any]:
     import vllm
 
     from uniprefill.vllm.stats import collect
+    from uniprefill.vllm.worker import STATS_METHOD
 
     kw = engine_kwargs(name, a)
     log(f"{name}: {kw}")
@@ -82,10 +90,21 @@ def run_engine(name: str, mdir: Path, a: argparse.Namespace) -> dict[str, Any]:
         outs = llm.generate(prompts(a.lengths), sp, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         stats = collect(llm)
+        per_rank = llm.collective_rpc(STATS_METHOD) if stats is not None else []
     finally:
         close_llm(llm)
     log(f"{name}: up in {start:.0f} s; stats {stats}")
-    return {"tokens": tokens, "stats": stats, "startup_s": start, "kwargs": kw}
+    agree = all(r == per_rank[0] for r in per_rank)
+    if len(per_rank) > 1:
+        log(f"{name}: {len(per_rank)} ranks, counters {'AGREE' if agree else 'DIFFER'}")
+    return {
+        "tokens": tokens,
+        "stats": stats,
+        "per_rank": per_rank,
+        "ranks_agree": agree,
+        "startup_s": start,
+        "kwargs": kw,
+    }
 
 
 def agreement(x: list[list[int]], y: list[list[int]]) -> list[int]:
@@ -110,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--eager", action="store_true", help="every engine enforce_eager")
     p.add_argument("--smoke-cpu", action="store_true")
     a = p.parse_args(argv)
     a.lengths = [int(x) for x in a.lengths.split(",")]
@@ -148,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
             equal = runs[x]["tokens"] == runs[y]["tokens"]
             checks[f"{x}=={y}"] = {"equal": equal, "required": required, "agree": agree}
             log(f"{x} vs {y}: {'EQUAL' if equal else 'DIFFER'} (leading tokens equal {agree})")
+    for name, run in runs.items():
+        if len(run.get("per_rank", [])) > 1:
+            checks[f"{name}: ranks agree"] = {"equal": run["ranks_agree"], "required": True}
     doc["checks"] = checks
     (out / "check_compiled.json").write_text(json.dumps(doc, indent=1, default=str))
     failed = [k for k, c in checks.items() if c["required"] and not c["equal"]]

