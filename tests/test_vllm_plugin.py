@@ -494,11 +494,19 @@ def _dropped(stats: dict[str, Any]) -> list[int]:
     return [s - k for s, k in zip(stats["seen_tokens"], stats["kept_tokens"], strict=True)]
 
 
-@pytest.mark.parametrize(("arch", "budget"), [("llama", 2048), ("llama", 256), ("gemma3", 2048)])
-def test_prefix_cache_reuses_only_the_dense_prefix(arch: str, budget: int, request: Any):
+@pytest.mark.parametrize(
+    ("arch", "budget", "tp"),
+    [("llama", 2048, 1), ("llama", 256, 1), ("gemma3", 2048, 1), ("llama", 256, 2)],
+)
+def test_prefix_cache_reuses_only_the_dense_prefix(
+    arch: str, budget: int, tp: int, request: Any, monkeypatch: Any
+):
     """Prefix caching on: a prompt that drops publishes only its protected dense head;
-    the second request reuses it and decodes exactly what it decodes alone."""
+    the second request reuses it and decodes exactly what it decodes alone. Also with
+    two tensor-parallel ranks (prompts in chunks), which keep identical records."""
     path = request.getfixturevalue(f"tiny_{arch}")
+    if tp > 1:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
     first, second = _shared_prefix_prompts()
     # keep_ratio: a 300-token tail of random tokens may keep every block at a top_p.
     cfg = {
@@ -508,7 +516,7 @@ def test_prefix_cache_reuses_only_the_dense_prefix(arch: str, budget: int, reque
         **SMALL,
     }
     caching = {"enable_prefix_caching": True, "max_num_batched_tokens": budget}
-    llm = _llm(path, arch, cfg, **caching)
+    llm = _llm(path, arch, cfg, tensor_parallel_size=tp, **caching)
     try:
         out_first = llm.generate([first], _greedy(12))[0]
         after_first = collect(llm)
@@ -522,6 +530,7 @@ def test_prefix_cache_reuses_only_the_dense_prefix(arch: str, budget: int, reque
         assert llm.reset_prefix_cache()
         out_alone = llm.generate([second], _greedy(12))[0]
         alone_stats = _since(final, collect(llm))
+        per_rank = llm.collective_rpc("uniprefill_stats")
     finally:
         _close(llm)
     assert out_first.num_cached_tokens == 0
@@ -535,6 +544,7 @@ def test_prefix_cache_reuses_only_the_dense_prefix(arch: str, budget: int, reque
     # The same tail tokens dropped at every drop layer, whether the head was computed
     # or read from the cache, and the same output.
     assert _dropped(alone_stats) == second_dropped
+    assert len(per_rank) == tp and all(r == per_rank[0] for r in per_rank)
     assert list(out_second.outputs[0].token_ids) == list(out_alone.outputs[0].token_ids)
 
 
