@@ -77,8 +77,7 @@ def prompts(lengths: list[int], seed: int = 0) -> list[dict[str, Any]]:
 def run_engine(name: str, mdir: Path, a: argparse.Namespace) -> dict[str, Any]:
     import vllm
 
-    from uniprefill.vllm.stats import collect
-    from uniprefill.vllm.worker import STATS_METHOD
+    from uniprefill.vllm.stats import collect_ranks
 
     kw = engine_kwargs(name, a)
     log(f"{name}: {kw}")
@@ -89,8 +88,8 @@ def run_engine(name: str, mdir: Path, a: argparse.Namespace) -> dict[str, Any]:
         sp = vllm.SamplingParams(temperature=0.0, max_tokens=a.decode, ignore_eos=True)
         outs = llm.generate(prompts(a.lengths), sp, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        stats = collect(llm)
-        per_rank = llm.collective_rpc(STATS_METHOD) if stats is not None else []
+        per_rank = collect_ranks(llm)
+        stats = per_rank[0] if per_rank else None
     finally:
         close_llm(llm)
     log(f"{name}: up in {start:.0f} s; stats {stats}")

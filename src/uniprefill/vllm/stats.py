@@ -17,13 +17,19 @@ def collect(llm: Any) -> dict[str, Any] | None:
     steps run compiled) and ``segment_graphs_compiled`` (graphs compiled for them in
     the worker process: one per segment once started).
     """
+    ranks = collect_ranks(llm)
+    return ranks[0] if ranks else None
+
+
+def collect_ranks(llm: Any) -> list[dict[str, Any]]:
+    """Every worker's drop statistics (as :func:`collect`), ``[]`` when UniPrefill is
+    off. Tensor-parallel ranks make the same choices, so their records must agree."""
     from uniprefill.vllm.worker import EXTENSION_CLS, STATS_METHOD
 
     config = getattr(llm.llm_engine, "vllm_config", None)
     if config is None or config.parallel_config.worker_extension_cls != EXTENSION_CLS:
-        return None  # UniPrefill is off: its worker RPC is not there
-    results = llm.collective_rpc(STATS_METHOD)
-    return results[0] if results else None
+        return []  # UniPrefill is off: its worker RPC is not there
+    return list(llm.collective_rpc(STATS_METHOD))
 
 
 def kept_ratios(stats: dict[str, Any] | None) -> list[float | None]:
