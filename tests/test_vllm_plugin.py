@@ -428,6 +428,8 @@ def test_chunked_prompt_drops_as_in_one_step(
 ):
     """A prompt prefilled over 3+ steps drops exactly what it drops in one step: the
     same kept counts at every drop layer, nothing left stashed, the same tokens.
+    The stash holds one prompt (520 tokens): the 300-token prompt starts in the step
+    of the 520-token prompt's last chunk and takes its room, so both still drop.
 
     Qwen3-Next runs in bf16, and its linear attention computes in 64-token chunks:
     where a step ends off that grid (the 300-token prompt, split 224 + 76), vLLM's
@@ -442,7 +444,8 @@ def test_chunked_prompt_drops_as_in_one_step(
     before = collect(whole_llm)
     whole_outs = whole_llm.generate(prompts, _greedy(12, logprobs=True))
     whole_stats = _since(before, collect(whole_llm))
-    llm = _llm(path, arch, _drop_cfg(arch), max_num_batched_tokens=256)
+    cfg = {**_drop_cfg(arch), "max_stash_tokens": max(CHUNKED_PROMPTS["lens"])}
+    llm = _llm(path, arch, cfg, max_num_batched_tokens=256)
     try:
         chunked_outs = llm.generate(prompts, _greedy(12, logprobs=True))
         chunked_stats = collect(llm)

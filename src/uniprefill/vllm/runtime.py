@@ -65,15 +65,17 @@ def stash_reserve_bytes(
 ) -> int:
     """Device memory of a full stash plus the last chunk's extended copies (a bound).
 
-    Per stashed token: hidden state, residual, key and position. The last chunk
-    builds, for the stash and its own tokens, one copy of hidden and residual
-    (the gather source) and the scoring q/k.
+    Per stashed token: hidden state, residual, key and position, for up to
+    ``capacity + max_tokens`` tokens (prompts starting in the step of another's last
+    chunk take its room while it is still read, see ``stash.py``). The last chunk
+    builds, for the stash and its own tokens, one copy of hidden and residual (the
+    gather source) and the scoring q/k.
     """
     per_token = 2 * hidden_size * act_bytes + num_kv_heads * head_size * act_bytes + 8
     ext = (capacity + max_tokens) * (
         2 * hidden_size * act_bytes + (num_q_heads + num_kv_heads) * head_size * act_bytes
     )
-    return capacity * per_token + ext
+    return (capacity + max_tokens) * per_token + ext
 
 
 def compaction_reserve_bytes(
@@ -282,6 +284,7 @@ class UniPrefillRuntime:
         stash_len = np.zeros(len(slots), dtype=np.int64)
         for r in np.flatnonzero(last_chunk):
             stash_len[r] = self.stash.get(int(slots[r])).num_tokens
+            self.stash.retire(int(slots[r]))  # its room goes to prompts starting now
         droppable |= last_chunk
         for r in np.flatnonzero(first & (end < prefill_end)):
             if self.stash.open(int(slots[r]), int(prefill_end[r] - start[r])):

@@ -8,7 +8,12 @@ hidden state and residual at the first gather point, its position, and the drop
 layer's key; the queries of tokens among the prompt's last ``last_q`` too.
 
 The store is bounded in tokens (``max_stash_tokens``): a prompt whose whole length
-does not fit when its first chunk arrives runs dense, counted in the stats.
+does not fit when its first chunk arrives runs dense, counted in the stats. Room
+held by a prompt whose last chunk runs in the same step counts as free: that chunk
+empties its stash at the step's first gather point. vLLM's scheduler starts the
+next long prompt beside the last chunk of the one before, so prompts that follow
+one another each find the whole room. In memory the stash then holds at most
+the room plus one step's tokens (``runtime.stash_reserve_bytes``).
 """
 
 from __future__ import annotations
@@ -70,6 +75,16 @@ class StashStore:
 
     def get(self, slot: int) -> PromptStash:
         return self.by_slot[slot]
+
+    def retire(self, slot: int) -> None:
+        """Free a stash's room now; its chunks stay readable until ``release``.
+
+        For a prompt whose last chunk runs this step: a prompt starting in the same
+        step may take the room, and both fit in memory (see the module docstring).
+        """
+        stash = self.by_slot[slot]
+        self.used -= stash.reserved
+        stash.reserved = 0
 
     def release(self, slot: int) -> None:
         stash = self.by_slot.pop(slot, None)
