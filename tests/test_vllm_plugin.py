@@ -484,6 +484,31 @@ def test_full_stash_runs_dense(tiny_llama: Path):
     assert got == want
 
 
+def test_long_prompts_in_a_row_all_drop_with_the_default_stash(tiny_llama: Path):
+    """bench_serving's prefill-heavy workload scaled down 64x (24 prompts of 64-1024
+    tokens, a 256-token budget, all submitted at once): with the default stash room
+    (max_model_len tokens: one longest prompt) every prompt drops. vLLM starts each
+    long prompt in the step of the last chunk of the one before, which frees its
+    room then (6 of the 24 ran dense when the room was freed after that step)."""
+    lens = [64, 128, 256, 512, 768, 1024] * 4
+    random.Random(0).shuffle(lens)
+    llm = _llm(
+        tiny_llama,
+        "llama",
+        {**_drop_cfg("llama"), "keep_ratio": 0.5},
+        max_model_len=max(lens) + 8,
+        max_num_batched_tokens=256,
+    )
+    try:
+        llm.generate(_prompts(tuple(lens), seed=3), _greedy(2))
+        stats = collect(llm)
+    finally:
+        _close(llm)
+    assert stats["stash_full"] == 0
+    assert stats["dropped_prefills"] == len(lens)
+    assert stats["chunked_prefills"] >= len(lens) // 2
+
+
 # Two prompts sharing a 1536-token prefix (a multiple of every KV block size vLLM
 # picks here), each with its own 300-token tail.
 SHARED_PREFIX = 1536
