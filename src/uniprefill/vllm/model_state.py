@@ -219,31 +219,29 @@ class UniPrefillStateMixin:
         assert bufs is not None
         num_reqs, padded = batch.num_reqs, batch.num_reqs_after_padding
         num_tokens = slot_mappings.shape[1]
-        qsl = batch.query_start_loc
+        # Every stage's lengths and slots at once: a few device ops per step, whatever
+        # the number of stages (they run before the step's graph, on its stream).
+        seq = bufs.seq_lens[:, :padded]
+        seq.copy_(batch.seq_lens[:padded].expand_as(seq))
+        slots = bufs.slots[:, :, :num_tokens]
+        if dropped is None:
+            slots.copy_(slot_mappings.expand_as(slots))
+        else:
+            seq[:, :num_reqs] -= dropped[:, 1:].T
+            qsl = batch.query_start_loc
+            ctx = seq[:, :num_reqs] - (qsl[1 : num_reqs + 1] - qsl[:num_reqs])
+            for gid, block_size in bufs.block_size.items():
+                slot_mapping(block_tables[gid], block_size, ctx, qsl, num_reqs, slots[:, gid])
         for s, stage in enumerate(bufs.stages, start=1):
             if not any(stage.paged):
                 continue
-            seq = bufs.seq_lens[s - 1, :padded]
-            seq.copy_(batch.seq_lens[:padded])
-            slots = bufs.slots[s - 1, :, :num_tokens]
-            if dropped is None:
-                slots.copy_(slot_mappings)
-            else:
-                seq[:num_reqs] -= dropped[:, s]
-                qlen = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
-                ctx = batch.seq_lens[:num_reqs] - qlen - dropped[:, s]
-                for gid, groups in enumerate(stage.paged):
-                    if groups:
-                        slot_mapping(
-                            block_tables[gid], bufs.block_size[gid], ctx, qsl, num_reqs, slots[gid]
-                        )
-            stage_batch = dataclasses.replace(batch, seq_lens=seq)
+            stage_batch = dataclasses.replace(batch, seq_lens=seq[s - 1])
             meta.update(
                 base(
                     stage_batch,
                     cudagraph_mode,
                     block_tables,
-                    slots,
+                    slots[s - 1],
                     stage.paged,
                     kv_cache_config,
                     for_capture=for_capture,
@@ -252,7 +250,7 @@ class UniPrefillStateMixin:
             for groups in stage.paged:
                 for group in groups:
                     for name in group.layer_names:
-                        step.slot_overrides[name] = slots[group.kv_cache_group_id]
+                        step.slot_overrides[name] = slots[s - 1, group.kv_cache_group_id]
 
     def _rebuild_stage(
         self,

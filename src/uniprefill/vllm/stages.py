@@ -112,10 +112,12 @@ def slot_mapping(
 ) -> torch.Tensor:
     """KV slot of every token: row r's j-th token goes to index ``num_computed[r] + j``.
 
-    ``out`` is filled whole; tokens past the last row get -1 (vLLM's pad slot, the
-    KV write skips them). Device ops only, no host sync: safe before a graph replay.
+    ``num_computed`` [R] fills ``out`` [n]; [S, R] (one row of lengths per stage)
+    fills ``out`` [S, n] in the same few device ops. ``out`` is filled whole; tokens
+    past the last row get -1 (vLLM's pad slot, the KV write skips them). Device ops
+    only, no host sync: safe before a graph replay.
     """
-    n = out.shape[0]
+    n = out.shape[-1]
     if n == 0:
         return out
     dev = out.device
@@ -124,11 +126,11 @@ def slot_mapping(
     row = torch.searchsorted(qsl[1:], tok, right=True)
     real = row < num_reqs
     row = row.clamp(max=max(num_reqs - 1, 0))
-    index = num_computed[row].to(torch.int64) + (tok - qsl[row])
+    index = num_computed[..., row].to(torch.int64) + (tok - qsl[row])
     index = index.clamp(min=0)
     block = block_table[row, index // kernel_block_size].to(torch.int64)
     slots = block * kernel_block_size + index % kernel_block_size
-    return out.copy_(torch.where(real, slots, torch.full_like(slots, -1)))
+    return out.copy_(torch.where(real, slots, -1))
 
 
 @dataclass
