@@ -147,9 +147,7 @@ class UniPrefillModel:
         rt = self.uniprefill
         fc = get_forward_context()
         if fc.attn_metadata is None:
-            out = self._profile_forward(dense, positions)
-            self._warm_segments(input_ids, positions, inputs_embeds)
-            return out
+            return self._dummy_forward(dense, input_ids, positions, inputs_embeds)
         step = rt.step if rt is not None else None
         if step is None:
             return dense()
@@ -182,26 +180,65 @@ class UniPrefillModel:
             self._dropping = False
         return rt.finish_forward(hidden)
 
-    def _warm_segments(
+    def _dummy_forward(
+        self,
+        dense: Any,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: Any,
+    ) -> Any:
+        """vLLM's dummy runs (memory profile, warm-ups): no attention metadata.
+
+        The memory-profiling run holds what a dropping step needs beyond a dense
+        forward (:meth:`_profile_reserve`) while it runs the dense model, then the
+        segments at the largest token counts a dropping step gives them; the first
+        dummy run compiles the segments the same way.
+        """
+        reserve = self._profile_reserve(positions)
+        try:
+            out = dense()
+            if reserve is not None or not self._segments_warm:
+                self._run_segments(input_ids, positions, inputs_embeds)
+            return out
+        finally:
+            del reserve
+
+    def _run_segments(
         self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: Any
     ) -> None:
-        """Compile the segments in vLLM's first dummy run, not in the first real prefill.
+        """Run (and, the first time, compile) the segments, the later ones at their largest.
 
-        Attention without metadata computes nothing (vLLM's profiling path), so this
-        traces and compiles each segment once, for any token count.
+        Attention without metadata computes nothing (vLLM's dummy runs), so this traces
+        and compiles each segment once, for any token count. The first segment gets the
+        dummy run's tokens (at most one step's); the later ones ``max_num_batched_tokens
+        + max_stash_tokens`` (a last chunk brings its prompt's earlier chunks). Inductor
+        picks 32-bit indexing when the tokens it compiles for fit it, and guards on it:
+        compiled for one step's tokens, a segment compiled again, a stall of seconds per
+        segment, the first time a longer chunked prompt kept ~75K tokens or more on the
+        Llama-8B shape. And the memory profile holds their activations.
         """
-        if self._segments_warm or positions.shape[-1] < 2:
+        if positions.shape[-1] < 2:
             return
         t0 = time.perf_counter()
         inner = self.model  # type: ignore[attr-defined]
         hidden = inputs_embeds if inputs_embeds is not None else inner.embed_input_ids(input_ids)
-        residual = None
+        residual: torch.Tensor | None = None
+        first_run = not self._segments_warm
         self._segments_warm = True
         positions = positions.clone()  # as in _dropping_forward
+        most = max(positions.shape[-1], self._max_tokens + self._stash_tokens)
         try:
-            for run_segment in self._segment_fns:
+            for i, run_segment in enumerate(self._segment_fns):
+                if i == 1 and hidden.shape[0] < most:
+                    hidden = hidden.new_zeros((most, *hidden.shape[1:]))
+                    if residual is not None:
+                        residual = residual.new_zeros((most, *residual.shape[1:]))
+                    positions = positions.new_zeros((*positions.shape[:-1], most))
                 hidden, residual = run_segment(positions, hidden, residual)
-        except Exception as e:  # noqa: BLE001 - an engine that runs beats one that stops
+        except Exception as e:
+            if not (first_run and self._compiled):
+                raise
+            # An engine that runs beats one that stops: eager segments work everywhere.
             self._compiled = False
             self._segment_fns = [seg.forward for seg in self._segments]
             logger.warning(
@@ -211,13 +248,16 @@ class UniPrefillModel:
             )
             return
         logger.info(
-            "uniprefill: %d segments of the dropping step compiled in %.1f s",
+            "uniprefill: %d segments of the dropping step %s in %.1f s (later ones at %d tokens)",
             len(self._segment_fns),
+            "compiled" if first_run and self._compiled else "run",
             time.perf_counter() - t0,
+            most,
         )
 
-    def _profile_forward(self, dense: Any, positions: torch.Tensor) -> Any:
-        """vLLM's memory-profiling run (no attention metadata): hold the compaction peak.
+    def _profile_reserve(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """In vLLM's memory-profiling run, the memory a dropping step needs besides
+        activations (None in other dummy runs, and off the GPU).
 
         vLLM sizes the KV cache from this run's peak; a dropping step's compacted
         copies come on top of a dense forward (seen on the H200: out of memory at
@@ -228,7 +268,7 @@ class UniPrefillModel:
             or positions.shape[-1] < self._max_tokens
             or torch.cuda.is_current_stream_capturing()
         ):
-            return dense()
+            return None
         cfg = self.uniprefill_config
         attn = self.scoring_attention()
         vcfg = self.uniprefill_vllm_config
@@ -252,11 +292,7 @@ class UniPrefillModel:
                 num_kv_heads=attn.num_kv_heads,
                 head_size=attn.head_size,
             )
-        reserve = torch.empty(nbytes, dtype=torch.uint8, device=positions.device)
-        try:
-            return dense()
-        finally:
-            del reserve
+        return torch.empty(nbytes, dtype=torch.uint8, device=positions.device)
 
 
 def _score_in_attention(model: UniPrefillModel, layer_idx: int, attention: Any) -> None:
