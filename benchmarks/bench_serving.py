@@ -245,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
                     ]
                     r = median_of(runs)
                     if before is not None:
-                        r["stats"] = since(before, collect(llm))
+                        st = r["stats"] = since(before, collect(llm))
+                        if st["segment_graphs_compiled"] > len(st["drop_layers"]) + 1:
+                            log(f"{w} {name}: segments compiled again (a stall): {st}")
                     doc["results"][w][name] = r
                     log(
                         f"{w} {name}: median of {a.repeats}: wall {r['wall_s']:.2f} s, "

@@ -295,7 +295,9 @@ class Sweep:
 
     def set_mode(self, llm: Any, mode: str, drop_layers: list[int] | None) -> dict[str, Any]:
         # The plugin's worker RPC: new selection settings from the next step on.
-        return llm.collective_rpc("uniprefill_configure", args=(mode_config(mode, drop_layers),))[0]
+        from uniprefill.vllm.worker import CONFIGURE_METHOD
+
+        return llm.collective_rpc(CONFIGURE_METHOD, args=(mode_config(mode, drop_layers),))[0]
 
     def run_model(self, name: str) -> None:
         import vllm
