@@ -209,13 +209,14 @@ class UniPrefillModel:
         """Run (and, the first time, compile) the segments, the later ones at their largest.
 
         Attention without metadata computes nothing (vLLM's dummy runs), so this traces
-        and compiles each segment once, for any token count. The first segment gets the
-        dummy run's tokens (at most one step's); the later ones ``max_num_batched_tokens
-        + max_stash_tokens`` (a last chunk brings its prompt's earlier chunks). Inductor
-        picks 32-bit indexing when the tokens it compiles for fit it, and guards on it:
-        compiled for one step's tokens, a segment compiled again, a stall of seconds per
-        segment, the first time a longer chunked prompt kept ~75K tokens or more on the
-        Llama-8B shape. And the memory profile holds their activations.
+        and compiles each segment once, for any token count. The first segment gets one
+        step's tokens (``max_num_batched_tokens``), the later ones that plus
+        ``max_stash_tokens`` (a last chunk brings its prompt's earlier chunks): the most
+        a dropping step gives them. Inductor picks 32-bit indexing when the tokens it
+        compiles for fit it, and guards on it: compiled for one step's tokens, a later
+        segment compiled again, a stall of seconds per segment, the first time a chunked
+        prompt kept ~75K tokens or more on the Llama-8B shape. And the memory profile
+        holds their activations.
         """
         if positions.shape[-1] < 2:
             return
@@ -226,14 +227,15 @@ class UniPrefillModel:
         first_run = not self._segments_warm
         self._segments_warm = True
         positions = positions.clone()  # as in _dropping_forward
-        most = max(positions.shape[-1], self._max_tokens + self._stash_tokens)
+        most = self._max_tokens + self._stash_tokens
         try:
             for i, run_segment in enumerate(self._segment_fns):
-                if i == 1 and hidden.shape[0] < most:
-                    hidden = hidden.new_zeros((most, *hidden.shape[1:]))
+                tokens = self._max_tokens if i == 0 else most
+                if hidden.shape[0] < tokens:
+                    hidden = hidden.new_zeros((tokens, *hidden.shape[1:]))
                     if residual is not None:
-                        residual = residual.new_zeros((most, *residual.shape[1:]))
-                    positions = positions.new_zeros((*positions.shape[:-1], most))
+                        residual = residual.new_zeros((tokens, *residual.shape[1:]))
+                    positions = positions.new_zeros((*positions.shape[:-1], tokens))
                 hidden, residual = run_segment(positions, hidden, residual)
         except Exception as e:
             if not (first_run and self._compiled):
