@@ -45,7 +45,7 @@ def test_bench_serving_smoke(tmp_path: Path):
             assert r["repeats"] == 1 and r["output_tokens"] > 0 and r["tpot_last_s"] > 0
         stats = ours["stats"]
         assert stats["dropped_prefills"] > 0 and stats["stash_full"] == 0
-        assert stats["prepared_steps"] > 0
+        assert stats["prepared_steps"] > 0 and stats["host_vllm_prepare_s"] > 0
         # Compiled at start-up, never again (a recompile would stall a real engine).
         assert stats["segment_graphs_compiled"] == len(stats["drop_layers"]) + 1
     assert doc["results"]["prefill"]["uniprefill keep0.5"]["stats"]["chunked_prefills"] > 0

@@ -496,7 +496,8 @@ def test_long_prompts_in_a_row_all_drop_with_the_default_stash(tiny_llama: Path)
         _close(llm)
     assert stats["stash_full"] == 0
     assert stats["dropped_prefills"] == len(lens)
-    assert stats["prepared_steps"] > 0 and stats["host_prepare_s"] > 0
+    assert stats["prepared_steps"] > 0
+    assert stats["host_prepare_s"] > 0 and stats["host_vllm_prepare_s"] > 0
     assert stats["chunked_prefills"] >= len(lens) // 2
 
 

@@ -142,6 +142,7 @@ class UniPrefillStateMixin:
         from vllm.config.compilation import CUDAGraphMode
 
         base = functools.partial(super().prepare_attn, **kwargs)  # type: ignore[misc]
+        t_vllm = time.perf_counter()
         meta = base(
             input_batch,
             cudagraph_mode,
@@ -199,6 +200,7 @@ class UniPrefillStateMixin:
             )
         if real:
             rt.stats.prepared_steps += 1
+            rt.stats.host_vllm_prepare_s += t0 - t_vllm
             rt.stats.host_prepare_s += time.perf_counter() - t0
         return meta
 

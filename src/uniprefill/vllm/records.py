@@ -37,10 +37,12 @@ class DropStats:
     # chunked prompts that ran dense because the stash had no room for them.
     chunked_prefills: int = 0
     stash_full: int = 0
-    # Steps UniPrefill planned (every real step), and the host seconds it added to
-    # vLLM's attention-metadata preparation in them (planning, later stages' metadata).
+    # Steps UniPrefill planned (every real step), the host seconds it added to vLLM's
+    # attention-metadata preparation in them (planning, later stages' metadata), and
+    # the host seconds of vLLM's own preparation (the same work for every layer).
     prepared_steps: int = 0
     host_prepare_s: float = 0.0
+    host_vllm_prepare_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.seen = [0] * len(self.drop_layers)
@@ -61,6 +63,7 @@ class DropStats:
             "stash_full": self.stash_full,
             "prepared_steps": self.prepared_steps,
             "host_prepare_s": self.host_prepare_s,
+            "host_vllm_prepare_s": self.host_vllm_prepare_s,
         }
 
 

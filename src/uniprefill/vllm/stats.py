@@ -15,9 +15,10 @@ def collect(llm: Any) -> dict[str, Any] | None:
     ``records`` (requests whose per-layer KV lengths are held right now), ``stashed``
     (prompts waiting for their last chunk), ``compiled_drop_steps`` (whether dropping
     steps run compiled), ``segment_graphs_compiled`` (graphs compiled for them in
-    the worker process: one per segment once started), ``prepared_steps`` and
-    ``host_prepare_s`` (engine steps, and the host seconds UniPrefill added to their
-    attention-metadata preparation: planning, later stages' metadata).
+    the worker process: one per segment once started), ``prepared_steps``,
+    ``host_prepare_s`` and ``host_vllm_prepare_s`` (engine steps, the host seconds
+    UniPrefill added to their attention-metadata preparation: planning, later stages'
+    metadata; and the host seconds of vLLM's own preparation, for scale).
     """
     ranks = collect_ranks(llm)
     return ranks[0] if ranks else None
@@ -35,7 +36,7 @@ def collect_ranks(llm: Any) -> list[dict[str, Any]]:
 
 
 # Measurements of one rank's own (host timings): ranks need not agree on them.
-RANK_LOCAL_KEYS = ("host_prepare_s",)
+RANK_LOCAL_KEYS = ("host_prepare_s", "host_vllm_prepare_s")
 
 
 def ranks_agree(per_rank: list[dict[str, Any]]) -> bool:
@@ -56,6 +57,7 @@ def since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         "stash_full",
         "prepared_steps",
         "host_prepare_s",
+        "host_vllm_prepare_s",
     ):
         out[key] = after[key] - before[key]
     return out
