@@ -46,20 +46,21 @@ def ranks_agree(per_rank: list[dict[str, Any]]) -> bool:
 
 
 def since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """The counters accumulated between two :func:`collect` calls of one engine."""
+    """The counters accumulated between two :func:`collect` calls of one engine.
+
+    Counters are the fields of the worker's ``DropStats`` (per drop layer for lists);
+    the other keys (records held, compile state) are states, taken from ``after``.
+    """
+    from uniprefill.vllm.records import DropStats
+
     out = dict(after)
-    for key in ("seen_tokens", "kept_tokens"):
-        out[key] = [b - a for a, b in zip(before[key], after[key], strict=True)]
-    for key in (
-        "dropped_prefills",
-        "restarted",
-        "chunked_prefills",
-        "stash_full",
-        "prepared_steps",
-        "host_prepare_s",
-        "host_vllm_prepare_s",
-    ):
-        out[key] = after[key] - before[key]
+    for key, zero in DropStats(drop_layers=()).as_dict().items():
+        if key == "drop_layers":
+            continue
+        if isinstance(zero, list):
+            out[key] = [b - a for a, b in zip(before[key], after[key], strict=True)]
+        else:
+            out[key] = after[key] - before[key]
     return out
 
 
