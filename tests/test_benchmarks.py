@@ -43,6 +43,8 @@ def test_bench_serving_smoke(tmp_path: Path):
         )
         for r in (plain, ours):
             assert r["repeats"] == 1 and r["output_tokens"] > 0 and r["tpot_last_s"] > 0
+            # The engine's span (request metrics) lies inside the front-end's wall time.
+            assert 0 < r["span_s"] <= r["wall_s"] * 1.05
         stats = ours["stats"]
         assert stats["dropped_prefills"] > 0 and stats["stash_full"] == 0
         assert stats["prepared_steps"] > 0 and stats["host_vllm_prepare_s"] > 0

@@ -25,9 +25,10 @@ import torch
 
 from uniprefill.vllm import versions
 from uniprefill.vllm.requests import runs_dense
-from uniprefill.vllm.runtime import StepContext, UniPrefillRuntime
+from uniprefill.vllm.runtime import UniPrefillRuntime
 from uniprefill.vllm.stages import StageBatch, StageGroups, check_batch_fields, slot_mapping
 from uniprefill.vllm.stages import split_groups as split_stage_groups
+from uniprefill.vllm.step import StepContext
 
 _CLASSES: dict[type, type] = {}
 

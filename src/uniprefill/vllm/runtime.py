@@ -1,10 +1,11 @@
 """One engine step of UniPrefill: which rows drop, select at drop layers, compact.
 
 The runtime never imports vLLM. The model state plans each step from the
-``InputBatch`` (:meth:`UniPrefillRuntime.plan`), the model's staged forward calls
+``InputBatch`` (:meth:`UniPrefillRuntime.plan`, which returns the step's
+:class:`~uniprefill.vllm.step.StepContext`), the model's staged forward calls
 :meth:`on_attention_input` and :meth:`on_gather_point` at each drop layer, and a
-:class:`StageRebuilder` (made by the model state) turns the new lengths into vLLM
-attention metadata for the later layers.
+:class:`~uniprefill.vllm.step.StageRebuilder` (made by the model state) turns the new
+lengths into vLLM attention metadata for the later layers.
 
 Per drop layer, on the device: the selection operator (one host sync, for the kept
 count) and a gather of hidden states, residual and positions. On the host: the
@@ -27,8 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,46 +36,14 @@ import torch
 from uniprefill.config import UniPrefillConfig
 from uniprefill.vllm.records import DropStats, RequestTable
 from uniprefill.vllm.stash import StashedChunk, StashStore
+from uniprefill.vllm.step import ExtendedRows, StepContext, query_start
 
 logger = logging.getLogger("vllm.uniprefill")
-
-
-class StageRebuilder(Protocol):
-    """Installs attention metadata for one stage of a dropping step (see model_state)."""
-
-    def __call__(
-        self, step: StepContext, stage: int, qlen: np.ndarray, ctx: np.ndarray
-    ) -> None: ...
-
 
 # Tokens an earlier chunk keeps in each later stage: its KV and linear-attention state
 # writes there are overwritten by the last chunk. Two, not one: a one-token row would
 # pass for a decode, and vLLM's Mamba metadata wants decodes ahead of prefills.
 PLACEHOLDER_TOKENS = 2
-
-
-def stash_reserve_bytes(
-    capacity: int,
-    max_tokens: int,
-    hidden_size: int,
-    act_bytes: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-) -> int:
-    """Device memory of a full stash plus the last chunk's extended copies (a bound).
-
-    Per stashed token: hidden state, residual, key and position, for up to
-    ``capacity + max_tokens`` tokens (prompts starting in the step of another's last
-    chunk take its room while it is still read, see ``stash.py``). The last chunk
-    builds, for the stash and its own tokens, one copy of hidden and residual (the
-    gather source) and the scoring q/k.
-    """
-    per_token = 2 * hidden_size * act_bytes + num_kv_heads * head_size * act_bytes + 8
-    ext = (capacity + max_tokens) * (
-        2 * hidden_size * act_bytes + (num_q_heads + num_kv_heads) * head_size * act_bytes
-    )
-    return (capacity + max_tokens) * per_token + ext
 
 
 def compaction_reserve_bytes(
@@ -99,99 +67,6 @@ def compaction_reserve_bytes(
     partials = 2 * tiles * num_q_heads * (last_q + 128) * 4
     indices = max_tokens * (1 + 4 + 8 + 8)  # keep mask, prefix count, gather, composed gather
     return copies + partials + indices
-
-
-@dataclass
-class StepContext:
-    """What one step knows, and what its dropping forward changes stage by stage."""
-
-    req_ids: list[str]
-    slots: np.ndarray  # [R] request slots (vLLM's req_index) of the batch rows
-    qlen0: np.ndarray  # [R] scheduled tokens per row
-    ctx0: np.ndarray  # [R] tokens computed before this step
-    droppable: np.ndarray  # bool [R] rows scored at the drop layers
-    dropped: np.ndarray  # [R, S+1] prompt tokens dropped before each stage, earlier steps
-    # Chunked prompts: rows whose chunk goes into the stash (not the last chunk), and
-    # per row the stashed tokens the last chunk scores with its own (0 elsewhere).
-    stashing: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
-    stash_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    # Prefix caching: per row the prompt tokens vLLM had cached (dense at every layer,
-    # before the row's first token), and the tokens at the head of the row's selection
-    # set that are never dropped (dense_prefix_tokens not yet cached).
-    start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    protect: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    # Per row the tokens at the end of its selection set that are never dropped: what a
-    # request recomputed after a preemption had generated (0 for a first prefill).
-    tail: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    # Layer name -> slot mapping to put into the forward context before the forward
-    # (decode rows of compacted requests write K/V at their compacted offsets).
-    slot_overrides: dict[str, torch.Tensor] = field(default_factory=dict)
-    rebuild: StageRebuilder | None = None
-    # The dropping forward's walk over the stages.
-    qlen: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    positions: torch.Tensor | None = None
-    gather_total: torch.Tensor | None = None  # kept rows, as indices into the step's input
-    pending: Any = None  # Selection from the current drop layer's attention
-    num_tokens_padded: int = 0  # rows of the model input (vLLM may pad past num_tokens)
-    kept_at: np.ndarray | None = None  # [R, S+1] tokens of each row alive in each stage
-    # Set at the first drop layer when a last chunk reads its stash.
-    extended: _Extended | None = None
-    # Row -> (keys, (offset in the chunk, queries) of the prompt's last last_q tokens in
-    # it) of a stashing row, taken at the drop layer's attention until its gather point
-    # completes the chunk.
-    chunk_keys: dict[int, tuple[torch.Tensor, tuple[int, torch.Tensor] | None]] = field(
-        default_factory=dict
-    )
-    # The current drop layer's selection rows -> step rows, when rows with a protected
-    # head or tail were split (None: one selection row per step row).
-    sub_owner: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        self.qlen = self.qlen0.copy()
-        n = len(self.qlen0)
-        if len(self.stashing) == 0:
-            self.stashing = np.zeros(n, dtype=bool)
-            self.stash_len = np.zeros(n, dtype=np.int64)
-        if len(self.start) == 0:
-            self.start = np.zeros(n, dtype=np.int64)
-            self.protect = np.zeros(n, dtype=np.int64)
-        if len(self.tail) == 0:
-            self.tail = np.zeros(n, dtype=np.int64)
-
-    @property
-    def dropping(self) -> bool:
-        """Whether a row may drop tokens this step (the forward then runs staged)."""
-        return bool(self.droppable.any() or self.stashing.any())
-
-    @property
-    def prefill_len(self) -> np.ndarray:
-        """Tokens each row's selection chooses from (the whole prompt for a last chunk)."""
-        return self.qlen0 + self.stash_len
-
-    def later_ctx(self, stage: int) -> np.ndarray:
-        """Tokens of each row in stage ``stage``'s KV before this step's tokens.
-
-        A chunked prompt has only its cached prefix there until its last chunk writes
-        every kept token; other rows hold their context minus earlier steps' drops.
-        """
-        chunked = self.stashing | (self.stash_len > 0)
-        return np.where(chunked, self.start, self.ctx0 - self.dropped[:, stage])
-
-    @property
-    def compacted(self) -> bool:
-        return self.gather_total is not None
-
-
-@dataclass
-class _Extended:
-    """The first drop layer's token set when last chunks bring their stashed tokens.
-
-    Rows are laid out as the selection saw them (each last chunk's stash ahead of its
-    own tokens); ``to_source`` maps those tokens into ``[step rows ; stashes]``.
-    """
-
-    to_source: torch.Tensor  # [sum(prefill_len)] int64
-    slots: list[int]  # request slots whose stashes follow the step's rows, in order
 
 
 class UniPrefillRuntime:
@@ -269,7 +144,9 @@ class UniPrefillRuntime:
         if cfg.top_p >= 1.0 and cfg.keep_ratio is None:
             eligible[:] = False  # p = 1 keeps every block: the dense path, exactly
         # Chunks after the first of a prompt whose first chunk opened a stash.
-        in_stash = np.fromiter((int(s) in self.stash for s in slots), bool, len(slots))
+        in_stash = np.zeros(len(slots), dtype=bool)
+        if self.stash:  # most steps (every decode step) have no open stash
+            in_stash[:] = [int(s) in self.stash for s in slots]
         continued = in_stash & (ctx0 > start)
         if continued.any() and not may_drop:
             raise RuntimeError(
@@ -335,7 +212,7 @@ class UniPrefillRuntime:
         if step is None or layer_idx not in self.stage_of_drop:
             return
         cfg = self.config
-        qsl = _query_start(step.qlen)
+        qsl = query_start(step.qlen)
         n = int(qsl[-1])
         q = query[:n].view(n, num_heads, head_size)
         k = key[:n].view(n, num_kv_heads, head_size)
@@ -345,7 +222,7 @@ class UniPrefillRuntime:
                 self._stash_keys(step, q, k, qsl)
             if step.stash_len.any():
                 q, k, lens = self._extend_scoring(step, q, k, qsl)
-                qsl = _query_start(lens)
+                qsl = query_start(lens)
         rows, qsl = self._selection_rows(step, lens, qsl)
         if not rows.any():
             return
@@ -431,7 +308,7 @@ class UniPrefillRuntime:
         present = parts > 0
         present[:, 1] = True  # every row keeps its middle part (a whole unsplit row)
         step.sub_owner = np.repeat(np.arange(len(lens)), present.sum(axis=1))
-        return scored[present], _query_start(parts[present])
+        return scored[present], query_start(parts[present])
 
     def _stash_keys(
         self, step: StepContext, q: torch.Tensor, k: torch.Tensor, qsl: np.ndarray
@@ -483,7 +360,7 @@ class UniPrefillRuntime:
             ks.append(k[a:b])
             to_source.append(np.arange(a, b))
         index = torch.from_numpy(np.concatenate(to_source).astype(np.int64))
-        step.extended = _Extended(index.to(q.device, non_blocking=True), slots)
+        step.extended = ExtendedRows(index.to(q.device, non_blocking=True), slots)
         return torch.cat(qs), torch.cat(ks), step.prefill_len
 
     def _gather_chunks(
@@ -502,7 +379,7 @@ class UniPrefillRuntime:
             new_qlen, idx = lens.copy(), None
         self._count(step, 1, lens, new_qlen)
         if step.stashing.any():
-            qsl = _query_start(step.qlen)
+            qsl = query_start(step.qlen)
             assert step.positions is not None
             for r, (keys, tail) in step.chunk_keys.items():
                 a, b = int(qsl[r]), int(qsl[r + 1])
@@ -621,7 +498,7 @@ class UniPrefillRuntime:
             n = int(lens.sum())
             q = torch.randn(n, num_heads, head_size, generator=gen).to(self.device, dtype)
             k = torch.randn(n, num_kv_heads, head_size, generator=gen).to(self.device, dtype)
-            cu = torch.from_numpy(_query_start(lens).astype(np.int32)).to(self.device)
+            cu = torch.from_numpy(query_start(lens).astype(np.int32)).to(self.device)
             allow = torch.zeros(num_reqs, dtype=torch.bool, device=self.device)
             allow[0] = True
             for mode in modes:
@@ -638,10 +515,3 @@ class UniPrefillRuntime:
                     **mode,
                 )
         return counts
-
-
-def _query_start(qlen: np.ndarray) -> np.ndarray:
-    """Query start locations ``[R+1]`` (int64) of rows with ``qlen`` tokens."""
-    qsl = np.zeros(len(qlen) + 1, dtype=np.int64)
-    np.cumsum(qlen, out=qsl[1:])
-    return qsl

@@ -13,7 +13,7 @@ held by a prompt whose last chunk runs in the same step counts as free: that chu
 empties its stash at the step's first gather point. vLLM's scheduler starts the
 next long prompt beside the last chunk of the one before, so prompts that follow
 one another each find the whole room. In memory the stash then holds at most
-the room plus one step's tokens (``runtime.stash_reserve_bytes``).
+the room plus one step's tokens (:func:`stash_reserve_bytes`).
 """
 
 from __future__ import annotations
@@ -61,6 +61,10 @@ class StashStore:
         self.used = 0
         self.by_slot: dict[int, PromptStash] = {}
 
+    def __len__(self) -> int:
+        """Open stashes (prompts whose earlier chunks are held)."""
+        return len(self.by_slot)
+
     def __contains__(self, slot: int) -> bool:
         return slot in self.by_slot
 
@@ -90,3 +94,27 @@ class StashStore:
         stash = self.by_slot.pop(slot, None)
         if stash is not None:
             self.used -= stash.reserved
+
+
+def stash_reserve_bytes(
+    capacity: int,
+    max_tokens: int,
+    hidden_size: int,
+    act_bytes: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+) -> int:
+    """Device memory of a full stash plus the last chunk's extended copies (a bound).
+
+    Per stashed token: hidden state, residual, key and position, for up to
+    ``capacity + max_tokens`` tokens (prompts starting in the step of another's last
+    chunk take its room while it is still read, see ``stash.py``). The last chunk
+    builds, for the stash and its own tokens, one copy of hidden and residual (the
+    gather source) and the scoring q/k.
+    """
+    per_token = 2 * hidden_size * act_bytes + num_kv_heads * head_size * act_bytes + 8
+    ext = (capacity + max_tokens) * (
+        2 * hidden_size * act_bytes + (num_q_heads + num_kv_heads) * head_size * act_bytes
+    )
+    return (capacity + max_tokens) * per_token + ext

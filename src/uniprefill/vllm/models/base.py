@@ -20,12 +20,9 @@ import torch
 
 from uniprefill.config import UniPrefillConfig
 from uniprefill.vllm.families import ModelFamily
-from uniprefill.vllm.runtime import (
-    UniPrefillRuntime,
-    compaction_reserve_bytes,
-    stash_reserve_bytes,
-)
+from uniprefill.vllm.runtime import UniPrefillRuntime, compaction_reserve_bytes
 from uniprefill.vllm.segments import SegmentFn, build_segments, compile_segment
+from uniprefill.vllm.stash import stash_reserve_bytes
 
 logger = logging.getLogger("vllm.uniprefill")
 
