@@ -95,7 +95,9 @@ def run_workload(llm: Any, prompts: list[dict[str, Any]], output: int) -> dict[s
     known = [t for t in tpot if t is not None]
     # The engine's own span (arrival to last token, from the requests' metrics; all
     # arrive at once): wall_s also holds front-end work around the engine, which on
-    # 2026-12-04 added ~4 s to a 6 s decode workload in both engines alike.
+    # 2026-12-04 added ~4 s to a 6 s decode workload in both engines alike. The first
+    # token's latency is taken when the front end handles it, the decode span from the
+    # engine core's timestamps: a late first-token handling can put span ~2% over wall.
     span = max(e2e)
     return {
         "wall_s": wall,
