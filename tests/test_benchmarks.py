@@ -43,7 +43,8 @@ def test_bench_serving_smoke(tmp_path: Path):
         )
         for r in (plain, ours):
             assert r["repeats"] == 1 and r["output_tokens"] > 0 and r["tpot_last_s"] > 0
-            # The engine's span (request metrics) lies inside the front-end's wall time.
+            # The engine's span (request metrics) lies within the wall time, up to the
+            # front end's late first-token handling (a few percent, bench_serving.py).
             assert 0 < r["span_s"] <= r["wall_s"] * 1.05
         stats = ours["stats"]
         assert stats["dropped_prefills"] > 0 and stats["stash_full"] == 0

@@ -109,7 +109,7 @@ def stash_reserve_bytes(
 
     Per stashed token: hidden state, residual, key and position, for up to
     ``capacity + max_tokens`` tokens (prompts starting in the step of another's last
-    chunk take its room while it is still read, see ``stash.py``). The last chunk
+    chunk take its room while it is still read, see the module docstring). The last chunk
     builds, for the stash and its own tokens, one copy of hidden and residual (the
     gather source) and the scoring q/k.
     """
