@@ -61,7 +61,9 @@ class UniPrefillConfig:
     what a prompt that drops publishes for later requests to reuse (its shared
     system prompt, say). ``compile_drop_steps``: whether a step that drops runs its
     layers ``torch.compile``'d in segments between drop layers (``None``: when vLLM
-    compiles its own model, i.e. without ``enforce_eager``).
+    compiles its own model, i.e. without ``enforce_eager``). ``free_kv_blocks``: give
+    the KV blocks of dropped tokens back to vLLM's pool once a prompt's prefill is done
+    (docs/kv-blocks.md).
     """
 
     top_p: float = DEFAULT_TOP_P
@@ -77,6 +79,9 @@ class UniPrefillConfig:
     dense_prefix_tokens: int = 0
     # Run a dropping step's layers torch.compile'd (None: when vLLM compiles its model).
     compile_drop_steps: bool | None = None
+    # Return the blocks of dropped tokens to vLLM's pool after each prefill (one
+    # KV-cache group per stage; full-attention models, one GPU: docs/kv-blocks.md).
+    free_kv_blocks: bool = False
     enabled: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -93,8 +98,9 @@ class UniPrefillConfig:
             raise ValueError(
                 f"max_stash_tokens must be None or an integer >= 0, got {self.max_stash_tokens!r}"
             )
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"enabled must be true or false, got {self.enabled!r}")
+        for name in ("enabled", "free_kv_blocks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.compile_drop_steps is not None and not isinstance(self.compile_drop_steps, bool):
             raise ValueError(
                 f"compile_drop_steps must be null, true or false, got {self.compile_drop_steps!r}"

@@ -6,9 +6,10 @@ it. When UniPrefill is on it sets three of vLLM's own options:
 
 * ``model_class_overrides``: the family's UniPrefill model class replaces vLLM's;
 * ``worker_extension_cls``: the stats RPC (``uniprefill_stats``);
-* ``scheduler_cls`` when prefix caching is on: vLLM's scheduler with a cap on what
-  a prompt that may drop publishes to the cache (``scheduler.py``): compacted KV
-  must never be shared as if it held the full prefix. Models whose cache cannot be
+* ``scheduler_cls`` when prefix caching or ``free_kv_blocks`` is on: vLLM's
+  scheduler with a cap on what a prompt that may drop publishes to the cache
+  (``scheduler.py``): compacted KV must never be shared as if it held the full
+  prefix; and it frees dropped tokens' KV blocks (``kv_blocks.py``). Models whose cache cannot be
   capped so (linear-attention hybrids) get prefix caching turned off when it was
   left unset, and refused when it was asked for.
 """
@@ -95,9 +96,45 @@ def check_vllm_config(vllm_config: Any, cfg: UniPrefillConfig, user_hma_off: Any
         if not sched.disable_hybrid_kv_cache_manager:
             sched.disable_hybrid_kv_cache_manager = True
             logger.info("uniprefill: hybrid KV cache manager turned off (sliding window)")
+    if cfg.free_kv_blocks:
+        _check_free_kv_blocks(vllm_config, family)
     if vllm_config.cache_config.enable_prefix_caching:
         _use_publish_cap(vllm_config, cfg)
+    elif cfg.free_kv_blocks:
+        _use_scheduler(vllm_config, "free_kv_blocks")
     logger.info("uniprefill enabled: %s", cfg.to_dict())
+
+
+def _use_scheduler(vllm_config: Any, why: str) -> None:
+    sched = vllm_config.scheduler_config
+    ours = SCHEDULERS[bool(sched.async_scheduling)]
+    if sched.scheduler_cls not in (None, *SCHEDULERS.values()):
+        raise refuse(
+            f"scheduler_cls={sched.scheduler_cls!r} with {why}",
+            f"UniPrefill installs its own ({ours}): it caps what prompts that drop publish "
+            "to the prefix cache and frees their dropped KV blocks",
+        )
+    sched.scheduler_cls = ours
+
+
+def _check_free_kv_blocks(vllm_config: Any, family: Any) -> None:
+    """free_kv_blocks: full attention only, worker in the scheduler's process."""
+    model_config = vllm_config.model_config
+    if model_config.is_hybrid or family.has_sliding_window(model_config.hf_config):
+        raise refuse(
+            f"free_kv_blocks with {family.family}",
+            "only models whose every layer is full attention (the Llama family) can give "
+            "dropped KV blocks back; leave free_kv_blocks false",
+        )
+    parallel = vllm_config.parallel_config
+    backend = parallel.distributed_executor_backend
+    if parallel.world_size != 1 or backend != "uni":
+        raise refuse(
+            f"free_kv_blocks with distributed_executor_backend={backend!r} and "
+            f"world_size={parallel.world_size}",
+            "the scheduler reads the kept lengths in the worker's own process: run on one "
+            "GPU (vLLM's 'uni' executor), or with VLLM_ENABLE_V1_MULTIPROCESSING=0 on CPU",
+        )
 
 
 # vLLM's two schedulers with UniPrefill's publish cap (scheduler.py), by async_scheduling.
@@ -128,14 +165,7 @@ def _use_publish_cap(vllm_config: Any, cfg: UniPrefillConfig) -> None:
             f"{why}; pass enable_prefix_caching=False (--no-enable-prefix-caching) or "
             "leave it unset",
         )
-    sched = vllm_config.scheduler_config
-    ours = SCHEDULERS[bool(sched.async_scheduling)]
-    if sched.scheduler_cls not in (None, *SCHEDULERS.values()):
-        raise refuse(
-            f"scheduler_cls={sched.scheduler_cls!r} with prefix caching",
-            f"UniPrefill installs its own ({ours}) to keep compacted KV out of the cache",
-        )
-    sched.scheduler_cls = ours
+    _use_scheduler(vllm_config, "prefix caching")
     logger.info(
         "uniprefill: prefix caching on: prompts that may drop publish only their first "
         "dense_prefix_tokens=%d tokens (and reuse what the cache already holds)",

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from uniprefill.vllm import versions
+from uniprefill.vllm import kv_blocks, versions
 from uniprefill.vllm.requests import runs_dense
 from uniprefill.vllm.runtime import UniPrefillRuntime
 from uniprefill.vllm.stages import StageBatch, StageGroups, check_batch_fields, slot_mapping
@@ -90,6 +90,52 @@ class _StageBuffers:
             if isinstance(group.kv_cache_spec, AttentionSpec)
         }
         self.checked = False
+        # free_kv_blocks: KV-cache group -> its stage (stages >= 1), and per group a
+        # persistent block table with the freed ranges skipped (graphs read it).
+        self.group_stage: dict[int, int] = {}
+        self.remapped: dict[int, torch.Tensor] = {}
+        self.max_rows = sched.max_num_seqs
+        if runtime.config.free_kv_blocks:
+            self._find_stage_groups(runtime)
+
+    def _find_stage_groups(self, runtime: UniPrefillRuntime) -> None:
+        sizes = set()
+        for s, stage in enumerate(self.stages, start=1):
+            for gid, groups in enumerate(stage.groups):
+                for group in groups:
+                    spec = group.kv_cache_spec
+                    if getattr(spec, "uniprefill_stage", None) != s:
+                        raise RuntimeError(
+                            f"uniprefill: free_kv_blocks is on but KV-cache group {gid} "
+                            f"holds layers of stage {s} with spec {spec!r}"
+                        )
+                    self.group_stage[gid] = s
+                    sizes.add(spec.block_size)
+        if len(sizes) != 1:
+            raise RuntimeError(f"uniprefill: stage KV-cache groups differ in block size {sizes}")
+        runtime.kv_block_size = sizes.pop()
+
+    def tables(
+        self, runtime: UniPrefillRuntime, batch: Any, block_tables: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        """The step's block tables, each stage group's with its requests' freed ranges skipped."""
+        if not self.group_stage:
+            return block_tables
+        out = list(block_tables)
+        idx = batch.idx_mapping[: batch.num_reqs]
+        for gid, s in self.group_stage.items():
+            table = block_tables[gid]
+            rows = table.shape[0]
+            if gid not in self.remapped:
+                shape = (max(rows, self.max_rows), table.shape[1])
+                self.remapped[gid] = table.new_zeros(shape)
+            bs = self.block_size[gid]
+            first = torch.zeros(rows, dtype=torch.int32, device=table.device)
+            count = torch.zeros_like(first)
+            first[: len(idx)] = runtime.table.freed_at_gpu[idx, s] // bs
+            count[: len(idx)] = runtime.table.freed_len_gpu[idx, s] // bs
+            out[gid] = kv_blocks.remap_block_table(table, first, count, self.remapped[gid][:rows])
+        return tuple(out)
 
 
 class UniPrefillStateMixin:
@@ -104,6 +150,7 @@ class UniPrefillStateMixin:
             self.device, vllm_config.scheduler_config.max_num_seqs
         )
         self._stage_buffers: _StageBuffers | None = None
+        kv_blocks.CHANNEL.reset()  # an earlier engine's records and counts (same process)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, req_index: int, new_req_data: Any) -> None:
@@ -179,6 +226,8 @@ class UniPrefillStateMixin:
         else:
             step = rt.plan_dummy(num_reqs)
         compacted = real and bool(step.dropped[:, 1:].any())
+        if step.dropping or for_capture or full_graph or compacted:
+            block_tables = bufs.tables(rt, input_batch, block_tables)
         if step.dropping:
             step.rebuild = functools.partial(
                 self._rebuild_stage, base, input_batch, block_tables, kv_cache_config

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from uniprefill.config import UniPrefillConfig
+from uniprefill.vllm import kv_blocks
 from uniprefill.vllm.records import DropStats, RequestTable
 from uniprefill.vllm.stash import StashedChunk, StashStore
 from uniprefill.vllm.step import ExtendedRows, StepContext, query_start
@@ -97,6 +98,9 @@ class UniPrefillRuntime:
             select_fn = select_tokens
         self._select = select_fn
         self.step: StepContext | None = None
+        # free_kv_blocks: the block size of the stages' KV-cache groups (set by the
+        # model state once the KV cache exists; None: blocks are not freed).
+        self.kv_block_size: int | None = None
 
     # ---- requests (model state) ----------------------------------------------------------
     def add_request(
@@ -423,6 +427,8 @@ class UniPrefillRuntime:
         dropped = prefill[:, None] - step.kept_at[rows]
         dropped[:, 0] = 0
         self.table.record(step.slots[rows], dropped)
+        if self.kv_block_size:
+            self._record_freed(step, rows, dropped)
         for r, d, prompt in zip(rows, dropped, prefill, strict=True):
             if d[-1] > 0:
                 self.stats.dropped_prefills += 1
@@ -433,6 +439,25 @@ class UniPrefillRuntime:
                     prompt,
                     shares,
                 )
+
+    def _record_freed(self, step: StepContext, rows: np.ndarray, dropped: np.ndarray) -> None:
+        """free_kv_blocks: the ranges each stage no longer needs, for both sides."""
+        bs = self.kv_block_size
+        total = step.ctx0[rows] + step.qlen0[rows]
+        kept = total[:, None] - dropped
+        at = np.zeros_like(dropped)
+        length = np.zeros_like(dropped)
+        for i, r in enumerate(rows):
+            for s in range(1, dropped.shape[1]):
+                first, count = kv_blocks.freed_blocks(int(total[i]), int(kept[i, s]), bs)
+                at[i, s], length[i, s] = first * bs, count * bs
+            if length[i].any():
+                kv_blocks.post(
+                    kv_blocks.KeptRecord(
+                        step.req_ids[r], int(total[i]), tuple(int(k) for k in kept[i, 1:])
+                    )
+                )
+        self.table.record_freed(step.slots[rows], at, length)
 
     def _count(
         self, step: StepContext, stage: int, seen_qlen: np.ndarray, new_qlen: np.ndarray

@@ -17,6 +17,9 @@ as in plain vLLM. Per KV-cache group: the same length for every group, since
 UniPrefill drops in full-attention and sliding-window layers alike; hybrid models
 with Mamba-style state are refused with prefix caching (``engine.py``).
 
+With ``free_kv_blocks`` the same scheduler also returns the blocks a prompt's
+stages no longer hold to the pool, at the step after its prefill (``kv_blocks.py``).
+
 The cap lives on vLLM's ``KVCacheCoordinator.cache_blocks``, the one call through
 which every group publishes (``KVCacheManager.allocate_slots`` and the scheduler's
 own ``cache_blocks``), wrapped on this scheduler's coordinator instance. The
@@ -30,7 +33,10 @@ from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
+from uniprefill.vllm import kv_blocks
+from uniprefill.vllm.kv_specs import StageAttentionManager
 from uniprefill.vllm.models.base import uniprefill_config
 from uniprefill.vllm.requests import may_drop
 
@@ -38,31 +44,29 @@ from uniprefill.vllm.requests import may_drop
 PUBLISH_CAP = "uniprefill_publish_cap"
 
 
-class PublishCapMixin:
-    """Caps what requests that may drop publish to the prefix cache."""
+class UniPrefillSchedulerMixin:
+    """Caps what requests that may drop publish to the prefix cache (prefix caching on),
+    and frees the KV blocks their stages no longer need (``free_kv_blocks``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.uniprefill = uniprefill_config(self.vllm_config.additional_config)  # type: ignore[attr-defined]
+        vllm_config = self.vllm_config  # type: ignore[attr-defined]
+        self.uniprefill = uniprefill_config(vllm_config.additional_config)
         coordinator = getattr(self.kv_cache_manager, "coordinator", None)  # type: ignore[attr-defined]
-        publish = getattr(coordinator, "cache_blocks", None)
-        if not callable(publish):
-            raise RuntimeError(
-                "uniprefill: this vLLM's KV cache manager has no coordinator.cache_blocks; "
-                "prefix caching with UniPrefill is not supported on it "
-                "(enable_prefix_caching=False)"
-            )
-
-        def cache_blocks(request: Any, num_computed_tokens: int) -> None:
-            cap = getattr(request, PUBLISH_CAP, None)
-            if cap is None:
-                publish(request, num_computed_tokens)
-            elif num_computed_tokens >= request.num_prompt_tokens:
-                publish(request, min(num_computed_tokens, cap))
-            # else: an earlier chunk of a prompt in chunks; its later layers' K/V are
-            # written by the last chunk, so nothing of it is published before then.
-
-        coordinator.cache_blocks = cache_blocks
+        if vllm_config.cache_config.enable_prefix_caching:
+            _cap_publishing(coordinator)
+        # Stage groups' managers (free_kv_blocks), with the stage each one holds.
+        self._stage_managers = [
+            m
+            for m in getattr(coordinator, "single_type_managers", ())
+            if isinstance(m, StageAttentionManager) and m.kv_cache_spec.uniprefill_stage > 0
+        ]
+        if self.uniprefill is not None and self.uniprefill.free_kv_blocks:
+            if not self._stage_managers:
+                raise RuntimeError(
+                    "uniprefill: free_kv_blocks is on but the KV cache has no per-stage "
+                    "groups (no drop layers, or this vLLM grouped the layers otherwise)"
+                )
 
     def add_request(self, request: Any) -> None:
         cfg = self.uniprefill
@@ -71,10 +75,53 @@ class PublishCapMixin:
             setattr(request, PUBLISH_CAP, min(cfg.dense_prefix_tokens, prompt_len))
         super().add_request(request)  # type: ignore[misc]
 
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        if self._stage_managers:
+            self._free_dropped_blocks()
+        return super().schedule(*args, **kwargs)  # type: ignore[misc]
 
-class UniPrefillScheduler(PublishCapMixin, Scheduler):
+    def _free_dropped_blocks(self) -> None:
+        """Free what the worker's records say the stages no longer hold.
+
+        Records come from forwards the scheduler has already scheduled; one whose
+        request is no longer running (finished, or preempted: its blocks are all gone
+        and its recompute will drop anew) is stale and skipped.
+        """
+        requests = self.requests  # type: ignore[attr-defined]
+        for rec in kv_blocks.take():
+            request = requests.get(rec.req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            for manager in self._stage_managers:
+                kept = rec.kept[manager.kv_cache_spec.uniprefill_stage - 1]
+                first, count = kv_blocks.freed_blocks(rec.total_tokens, kept, manager.block_size)
+                kv_blocks.CHANNEL.freed_blocks += manager.free_dropped(rec.req_id, first, count)
+
+
+def _cap_publishing(coordinator: Any) -> None:
+    publish = getattr(coordinator, "cache_blocks", None)
+    if not callable(publish):
+        raise RuntimeError(
+            "uniprefill: this vLLM's KV cache manager has no coordinator.cache_blocks; "
+            "prefix caching with UniPrefill is not supported on it "
+            "(enable_prefix_caching=False)"
+        )
+
+    def cache_blocks(request: Any, num_computed_tokens: int) -> None:
+        cap = getattr(request, PUBLISH_CAP, None)
+        if cap is None:
+            publish(request, num_computed_tokens)
+        elif num_computed_tokens >= request.num_prompt_tokens:
+            publish(request, min(num_computed_tokens, cap))
+        # else: an earlier chunk of a prompt in chunks; its later layers' K/V are
+        # written by the last chunk, so nothing of it is published before then.
+
+    coordinator.cache_blocks = cache_blocks
+
+
+class UniPrefillScheduler(UniPrefillSchedulerMixin, Scheduler):
     pass
 
 
-class UniPrefillAsyncScheduler(PublishCapMixin, AsyncScheduler):
+class UniPrefillAsyncScheduler(UniPrefillSchedulerMixin, AsyncScheduler):
     pass

@@ -18,7 +18,8 @@ def collect(llm: Any) -> dict[str, Any] | None:
     the worker process: one per segment once started), ``prepared_steps``,
     ``host_prepare_s`` and ``host_vllm_prepare_s`` (engine steps, the host seconds
     UniPrefill added to their attention-metadata preparation: planning, later stages'
-    metadata; and the host seconds of vLLM's own preparation, for scale).
+    metadata; and the host seconds of vLLM's own preparation, for scale),
+    ``kv_blocks_freed`` (KV blocks of dropped tokens given back, ``free_kv_blocks``).
     """
     ranks = collect_ranks(llm)
     return ranks[0] if ranks else None

