@@ -143,7 +143,10 @@ def start(mdir: Path, a: argparse.Namespace, plugin: bool) -> tuple[Any, float]:
     if a.eager:
         kw["enforce_eager"] = True
     if plugin:
-        kw["additional_config"] = {"uniprefill": mode_options(a.modes[0])}
+        options = mode_options(a.modes[0])
+        if a.free_kv_blocks:
+            options["free_kv_blocks"] = True
+        kw["additional_config"] = {"uniprefill": options}
         if a.plugin_budget:
             kw["max_num_batched_tokens"] = a.plugin_budget
     log(f"start {'uniprefill' if plugin else 'plain'}: {kw}")
@@ -213,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-mem-util", type=float, default=0.9)
     p.add_argument("--eager", action="store_true", help="enforce_eager in both engines")
+    p.add_argument(
+        "--free-kv-blocks",
+        action="store_true",
+        help="UniPrefill engine with free_kv_blocks (dropped tokens' KV blocks go back)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="runs per workload (median)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))

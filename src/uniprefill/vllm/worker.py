@@ -64,6 +64,10 @@ class UniPrefillWorkerExtension:
                 f"drop_layers {list(new.drop_layers)} differ from the engine's "
                 f"{list(rt.drop_layers)}; they are fixed at start-up"
             )
+        if new.free_kv_blocks != rt.config.free_kv_blocks:
+            raise ValueError(
+                "free_kv_blocks is fixed at start-up (it decides the KV cache's groups)"
+            )
         cache = self.vllm_config.cache_config  # type: ignore[attr-defined]
         fixed = [n for n in FIXED_WITH_PREFIX_CACHING if getattr(new, n) != getattr(rt.config, n)]
         if fixed and cache.enable_prefix_caching:
