@@ -27,6 +27,12 @@ Elsewhere, on instances UniPrefill creates or owns (no class of vLLM changes):
 * ``KVCacheCoordinator.cache_blocks`` of the scheduler's coordinator
   (``scheduler.py``; 0.26 - 0.34): caps what a prompt that may drop publishes to the
   prefix cache. Only in UniPrefill's scheduler, set when prefix caching is on.
+* ``get_kv_cache_spec`` of each attention layer of UniPrefill's model class
+  (``models/base.py``; 0.26 - 0.32 checked), only with ``free_kv_blocks``: reports the
+  layer's stage in its spec, so stages get KV-cache groups of their own. The spec and
+  its block manager go through vLLM's ``KVCacheSpecRegistry`` (an extension point), whose
+  private ``_ensure_registered`` is called first: the registry fills vLLM's own specs
+  only while it is empty (``kv_specs.py``).
 
 Installed once per process by :func:`apply` (vLLM may load plugins several times).
 """
