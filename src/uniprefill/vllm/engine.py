@@ -9,9 +9,9 @@ it. When UniPrefill is on it sets three of vLLM's own options:
 * ``scheduler_cls`` when prefix caching or ``free_kv_blocks`` is on: vLLM's
   scheduler with a cap on what a prompt that may drop publishes to the cache
   (``scheduler.py``): compacted KV must never be shared as if it held the full
-  prefix; and it frees dropped tokens' KV blocks (``kv_blocks.py``). Models whose cache cannot be
-  capped so (linear-attention hybrids) get prefix caching turned off when it was
-  left unset, and refused when it was asked for.
+  prefix; and it frees dropped tokens' KV blocks (``kv_blocks.py``). Models whose
+  cache cannot be capped so (linear-attention hybrids) get prefix caching turned off
+  when it was left unset, and refused when it was asked for.
 """
 
 from __future__ import annotations

@@ -123,17 +123,18 @@ class _StageBuffers:
             return block_tables
         out = list(block_tables)
         idx = batch.idx_mapping[: batch.num_reqs]
+        # Every stage's freed range (tokens) of the step's rows, gathered once per step;
+        # the batch's padding rows stay 0 (nothing skipped).
+        rows = block_tables[next(iter(self.group_stage))].shape[0]
+        freed = runtime.table.freed_at_gpu.new_zeros((2, rows, runtime.table.num_stages))
+        freed[0, : len(idx)] = runtime.table.freed_at_gpu[idx]
+        freed[1, : len(idx)] = runtime.table.freed_len_gpu[idx]
         for gid, s in self.group_stage.items():
             table = block_tables[gid]
-            rows = table.shape[0]
             if gid not in self.remapped:
                 shape = (max(rows, self.max_rows), table.shape[1])
                 self.remapped[gid] = table.new_zeros(shape)
-            bs = self.block_size[gid]
-            first = torch.zeros(rows, dtype=torch.int32, device=table.device)
-            count = torch.zeros_like(first)
-            first[: len(idx)] = runtime.table.freed_at_gpu[idx, s] // bs
-            count[: len(idx)] = runtime.table.freed_len_gpu[idx, s] // bs
+            first, count = freed[:, :, s] // self.block_size[gid]
             out[gid] = kv_blocks.remap_block_table(table, first, count, self.remapped[gid][:rows])
         return tuple(out)
 
