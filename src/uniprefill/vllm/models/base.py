@@ -18,21 +18,13 @@ from typing import Any
 
 import torch
 
-from uniprefill.config import UniPrefillConfig
+from uniprefill.config import uniprefill_config
 from uniprefill.vllm.families import ModelFamily
 from uniprefill.vllm.runtime import UniPrefillRuntime, compaction_reserve_bytes
 from uniprefill.vllm.segments import SegmentFn, build_segments, compile_segment
 from uniprefill.vllm.stash import stash_reserve_bytes
 
 logger = logging.getLogger("vllm.uniprefill")
-
-
-def uniprefill_config(additional_config: Any) -> UniPrefillConfig | None:
-    """The enabled UniPrefill config in vLLM's ``additional_config``, else ``None``."""
-    if not isinstance(additional_config, dict) or "uniprefill" not in additional_config:
-        return None
-    cfg = UniPrefillConfig.from_dict(additional_config["uniprefill"])
-    return cfg if cfg.enabled else None
 
 
 class UniPrefillModel:
@@ -65,16 +57,24 @@ class UniPrefillModel:
                 )
         fam = self.family
         for d in self.drop_layers:
-            _score_in_attention(self, d, fam.attention(layers[d]))
+            attention = fam.attention(layers[d])
+            # The front end read the layer kinds from the config; vLLM's module decides.
+            if getattr(attention, "sliding_window", None) is not None:
+                raise ValueError(
+                    f"drop_layers: layer {d} of this {fam.family} model runs with a sliding "
+                    f"window of {attention.sliding_window} in vLLM; a drop layer must be a "
+                    "full-attention layer"
+                )
+            _score_in_attention(self, d, attention)
         if cfg.free_kv_blocks:
             _report_stage_specs(layers, self.drop_layers, fam)
         self._segments = build_segments(
             layers,
             self.drop_layers,
             self.model.norm,  # type: ignore[attr-defined]
-            mixer=fam.mixer_modules,
-            ffn=fam.ffn_modules,
-            ffn_attrs_off=fam.ffn_attrs_off,
+            mixer=fam.layout.mixer,
+            ffn=fam.layout.ffn,
+            ffn_attrs_off=fam.layout.ffn_attrs_off,
         )
         # Compiled as vLLM's own model is, unless the setting says otherwise.
         self._compiled = cfg.compile_drop_steps

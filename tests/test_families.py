@@ -1,0 +1,96 @@
+"""The family registry as data: layer kinds, default schedules, refusals, model classes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from uniprefill.testing import ARCHS, tiny_config
+from uniprefill.vllm.families import (
+    FAMILIES,
+    FULL,
+    LINEAR,
+    SLIDING,
+    by_depth,
+    family_for,
+    family_named,
+    full_between_60_and_86,
+    inner_full,
+    layer_types,
+)
+
+
+def test_every_family_has_a_tiny_model_and_test_drop_layers_it_accepts():
+    assert ARCHS == tuple(f.family for f in FAMILIES)
+    for family in FAMILIES:
+        cfg = tiny_config(family.family)
+        assert family_for(cfg.architectures) is family
+        types = layer_types(cfg)
+        assert len(types) == family.tiny.num_layers
+        drops = family.tiny.test_drop_layers
+        assert family.resolve_drop_layers(cfg, drops) == drops
+        assert max(drops) < len(types) - 1  # layers after the last drop see kept tokens
+        assert all(types[i] == FULL for i in family.default_drop_layers(cfg))
+
+
+def test_the_papers_schedules():
+    assert by_depth([FULL] * 32) == (7, 11, 15, 19, 23, 27)  # Llama-3.1-8B
+    gemma3_12b = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(48)]
+    assert full_between_60_and_86(gemma3_12b) == (29, 35, 41)
+    qwen3_next = [FULL if (i + 1) % 4 == 0 else LINEAR for i in range(48)]
+    assert inner_full(qwen3_next) == tuple(range(7, 44, 4))
+    # Qwen2.5-1.5B (28 layers): the same fractions of the depth.
+    assert by_depth([FULL] * 28) == (6, 10, 13, 17, 20, 24)
+    # GPT-OSS-20B shape (24 layers, full at odd layers): full layers between 60% and 86%.
+    gpt_oss = [SLIDING if i % 2 == 0 else FULL for i in range(24)]
+    assert full_between_60_and_86(gpt_oss) == (15, 17, 19)
+
+
+def test_layer_kinds_come_from_the_config():
+    cfg = SimpleNamespace(num_hidden_layers=3, layer_types=None, sliding_window=None)
+    assert layer_types(cfg) == [FULL] * 3
+    cfg.sliding_window = 4096  # e.g. Mistral-7B v0.1: a window on every layer
+    assert layer_types(cfg) == [SLIDING] * 3
+    cfg.layer_types = ["full_attention", "sliding_attention", "linear_attention"]
+    assert layer_types(cfg) == [FULL, SLIDING, LINEAR]
+    cfg.layer_types = ["chunked_attention"] * 3
+    with pytest.raises(ValueError, match="chunked_attention"):
+        layer_types(cfg)
+
+
+def test_a_config_without_a_full_attention_layer_is_refused():
+    mistral = family_named("mistral")
+    cfg = tiny_config("mistral", sliding_window=64)
+    with pytest.raises(ValueError, match="no full-attention layer to score from"):
+        mistral.resolve_drop_layers(cfg, None)
+
+
+@pytest.mark.parametrize(
+    ("architectures", "message"),
+    [
+        (["DeepseekV3ForCausalLM"], "multi-head latent attention"),
+        (["Llama4ForCausalLM"], "chunked local attention"),
+        (["Qwen3_5ForConditionalGeneration"], "Multimodal wrappers are not supported"),
+        (["GPT2LMHeadModel"], "does not support architecture"),
+    ],
+)
+def test_unsupported_architectures_are_refused_with_the_reason(architectures, message):
+    with pytest.raises(ValueError, match=message):
+        family_for(architectures)
+
+
+def test_model_classes_are_built_from_the_registry():
+    pytest.importorskip("vllm")
+    from uniprefill.vllm.models import classes
+    from uniprefill.vllm.models.base import UniPrefillModel
+
+    for family in FAMILIES:
+        for arch in family.architectures:
+            module, name = family.model_class(arch).split(":")
+            assert module == classes.__name__
+            cls = getattr(classes, name)
+            assert issubclass(cls, UniPrefillModel) and cls.family is family
+            assert cls.__name__ == name and getattr(classes, name) is cls  # built once
+    with pytest.raises(AttributeError):
+        classes.UniPrefillGPT2LMHeadModel  # noqa: B018
