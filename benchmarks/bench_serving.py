@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -36,7 +35,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import KB, LOG_PREFIX, build_model_dir, close_llm, log  # noqa: E402
+from common import (  # noqa: E402
+    KB,
+    LOG_PREFIX,
+    build_model_dir,
+    close_llm,
+    log,
+    mode_options,
+    random_prompts,
+)
 
 from uniprefill.vllm.stats import collect, since  # noqa: E402
 from uniprefill.vllm.worker import CONFIGURE_METHOD  # noqa: E402
@@ -57,22 +64,6 @@ SMOKE = {
     "prefill": {"lengths": [64, 128, 256, 512, 768, 1024], "output": 4},
 }
 SMOKE_BUDGET = 256
-
-
-def mode_options(mode: str) -> dict[str, Any]:
-    """``keep0.5`` -> keep_ratio 0.5; ``topp0.99`` -> top_p 0.99."""
-    if mode.startswith("keep"):
-        return {"keep_ratio": float(mode[4:]), "top_p": 0.99}
-    if mode.startswith("topp"):
-        return {"top_p": float(mode[4:]), "keep_ratio": None}
-    raise ValueError(f"bad mode {mode!r}: keep<R> or topp<P>")
-
-
-def workload_prompts(spec: dict[str, Any], seed: int) -> list[dict[str, Any]]:
-    rng = random.Random(seed)
-    lengths = list(spec["lengths"])
-    rng.shuffle(lengths)
-    return [{"prompt_token_ids": [rng.randrange(5, 1000) for _ in range(n)]} for n in lengths]
 
 
 def run_workload(llm: Any, prompts: list[dict[str, Any]], output: int) -> dict[str, Any]:
@@ -266,10 +257,16 @@ def main(argv: list[str] | None = None) -> int:
                     llm.collective_rpc(CONFIGURE_METHOD, args=(mode_options(mode),))
                 for w, spec in workloads.items():
                     # Warm-up (first-call kernels) on other prompts than the measured ones.
-                    run_workload(llm, workload_prompts(spec, a.seed + 1000)[:2], 4)
+                    run_workload(
+                        llm, random_prompts(spec["lengths"], a.seed + 1000, shuffle=True)[:2], 4
+                    )
                     before = collect(llm)
                     runs = [
-                        run_workload(llm, workload_prompts(spec, a.seed + i), spec["output"])
+                        run_workload(
+                            llm,
+                            random_prompts(spec["lengths"], a.seed + i, shuffle=True),
+                            spec["output"],
+                        )
                         for i in range(a.repeats)
                     ]
                     r = median_of(runs)

@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LOG_PREFIX, build_model_dir, close_llm, log  # noqa: E402
+from common import LOG_PREFIX, build_model_dir, close_llm, log, random_prompts  # noqa: E402
 
 LOG_PREFIX[0] = "check_compiled"
 ENGINES = ("plain", "p1", "keep", "keep_pw", "keep_eager")
@@ -69,11 +68,6 @@ def engine_kwargs(name: str, a: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-def prompts(lengths: list[int], seed: int = 0) -> list[dict[str, Any]]:
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(5, 1000) for _ in range(n)]} for n in lengths]
-
-
 def run_engine(name: str, mdir: Path, a: argparse.Namespace) -> dict[str, Any]:
     import vllm
 
@@ -86,7 +80,7 @@ def run_engine(name: str, mdir: Path, a: argparse.Namespace) -> dict[str, Any]:
     start = time.time() - t0
     try:
         sp = vllm.SamplingParams(temperature=0.0, max_tokens=a.decode, ignore_eos=True)
-        outs = llm.generate(prompts(a.lengths), sp, use_tqdm=False)
+        outs = llm.generate(random_prompts(a.lengths, seed=0), sp, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         per_rank = collect_ranks(llm)
         stats = per_rank[0] if per_rank else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import random
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -180,12 +181,36 @@ def wait_gpu_free(limit_mib: int = 4000, timeout_s: float = 60.0) -> None:
     log(f"warning: GPU still holds {gpu_used_mib()} MiB after {timeout_s:.0f} s")
 
 
-def batch_prompts(length: int, conc: int, seed: int) -> list[dict[str, Any]]:
+def random_prompts(lengths: list[int], seed: int, shuffle: bool = False) -> list[dict[str, Any]]:
+    """Prompts of random token ids, one per length (in a seeded random order with
+    ``shuffle``): the same seed gives the same prompts in every script."""
     rng = random.Random(seed)
+    lengths = list(lengths)
+    if shuffle:
+        rng.shuffle(lengths)
     # ids 5..999: inside the tiny tokenizer's vocab (1024) and every model's.
-    return [
-        {"prompt_token_ids": [rng.randrange(5, 1000) for _ in range(length)]} for _ in range(conc)
-    ]
+    return [{"prompt_token_ids": [rng.randrange(5, 1000) for _ in range(n)]} for n in lengths]
+
+
+def batch_prompts(length: int, conc: int, seed: int) -> list[dict[str, Any]]:
+    """``conc`` random prompts of ``length`` tokens."""
+    return random_prompts([length] * conc, seed)
+
+
+# ---- modes: how a benchmark names the plugin's selection settings ----------------------------
+_MODE = re.compile(r"^(dense|topp(0?\.\d+|1(\.0*)?)|keep(0?\.\d+|1(\.0*)?))$")
+
+
+def mode_options(mode: str) -> dict[str, Any]:
+    """The uniprefill options of a mode name: ``dense`` (top_p 1, the plugin's dense
+    path), ``topp<P>`` (top_p P) or ``keep<R>`` (keep_ratio R, top_p 0.99)."""
+    if not _MODE.match(mode):
+        raise ValueError(f"bad mode {mode!r}: use dense, topp<P> (topp0.99) or keep<R> (keep0.3)")
+    if mode == "dense":
+        return {"top_p": 1.0, "keep_ratio": None}
+    if mode.startswith("topp"):
+        return {"top_p": float(mode[4:]), "keep_ratio": None}
+    return {"top_p": 0.99, "keep_ratio": float(mode[4:])}
 
 
 def close_llm(llm: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,20 @@ def point_order(p: dict[str, Any]) -> tuple:
     rank = {"dense": 0, "dense_compiled": 1}.get(mode, 2 if mode.startswith("topp") else 3)
     ratio = -float(mode[4:]) if mode.startswith("keep") else 0.0
     return (p["model"], p["concurrency"], p["length"], rank, ratio)
+
+
+def merged_results(files: list[str]) -> dict[str, Any]:
+    """Several runs' JSON as one document (``--plot-from``): a point measured again in a
+    later file replaces the same point of an earlier one."""
+    doc: dict[str, Any] = {"points": [], "errors": [], "env": {}}
+    for f in files:
+        d = json.loads(Path(f).read_text())
+        doc["points"] += d["points"]
+        doc["errors"] += d.get("errors", [])
+        doc["env"] = d.get("env", doc["env"])
+    latest = {(p["model"], p["length"], p["concurrency"], p.get("mode")): p for p in doc["points"]}
+    doc["points"] = sorted(latest.values(), key=point_order)
+    return doc
 
 
 def markdown_table(doc: dict[str, Any]) -> str:

@@ -86,15 +86,13 @@ def read_stats(llm: Any) -> dict[str, Any] | None:
 
 
 def stats_delta(after: dict[str, Any] | None, before: dict[str, Any] | None) -> dict | None:
-    """Counters accumulated between two :func:`read_stats` calls."""
-    if after is None:
-        return None
-    if before is None:
+    """Counters accumulated between two :func:`read_stats` calls (``after`` itself
+    without a ``before``: counted from the engine's start)."""
+    from uniprefill.vllm.stats import since
+
+    if after is None or before is None:
         return after
-    out = dict(after)
-    for key in ("kept_tokens", "seen_tokens"):
-        out[key] = [a - b for a, b in zip(after[key], before[key], strict=True)]
-    return out
+    return since(before, after)
 
 
 def kept_summary(stats: dict[str, Any] | None) -> dict[str, Any]:

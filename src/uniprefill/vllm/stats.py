@@ -46,22 +46,41 @@ def ranks_agree(per_rank: list[dict[str, Any]]) -> bool:
     return all(r == shared[0] for r in shared)
 
 
+def _counters() -> dict[str, Any]:
+    """The counters of the stats (the worker's ``DropStats`` fields) and their zeros."""
+    from uniprefill.vllm.records import DropStats
+
+    zeros = DropStats(drop_layers=()).as_dict()
+    del zeros["drop_layers"]
+    return zeros
+
+
 def since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The counters accumulated between two :func:`collect` calls of one engine.
 
     Counters are the fields of the worker's ``DropStats`` (per drop layer for lists);
-    the other keys (records held, compile state) are states, taken from ``after``.
+    the other keys (records held, compile state) are states, taken from ``after``. A
+    counter missing from either side is left as ``after`` has it.
     """
-    from uniprefill.vllm.records import DropStats
-
     out = dict(after)
-    for key, zero in DropStats(drop_layers=()).as_dict().items():
-        if key == "drop_layers":
+    for key, zero in _counters().items():
+        if key not in before or key not in after:
             continue
         if isinstance(zero, list):
             out[key] = [b - a for a, b in zip(before[key], after[key], strict=True)]
         else:
             out[key] = after[key] - before[key]
+    return out
+
+
+def summed(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several :func:`since` results of one engine as one: counters added, states the last's."""
+    out = dict(deltas[-1])
+    for key, zero in _counters().items():
+        if isinstance(zero, list):
+            out[key] = [sum(col) for col in zip(*(d[key] for d in deltas), strict=True)]
+        else:
+            out[key] = sum(d[key] for d in deltas)
     return out
 
 
