@@ -1,13 +1,15 @@
 """UniPrefill settings and their validation.
 
 One frozen dataclass holds every knob of the method. The vLLM plugin builds it
-from ``additional_config["uniprefill"]``; the operator validates the same
-numbers through :func:`validate_selection_args` so both paths give the same
+from ``additional_config["uniprefill"]`` (:func:`uniprefill_config`, parsed once per
+process for the front end, the scheduler and the model alike); the operator validates
+the same numbers through :func:`validate_selection_args` so both paths give the same
 errors.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -16,6 +18,8 @@ DEFAULT_TOP_P = 0.99
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_LAST_Q = 128
 DEFAULT_SINK = 128
+# The key of vLLM's ``additional_config`` that turns UniPrefill on.
+ENTRY = "uniprefill"
 
 
 def validate_selection_args(
@@ -44,6 +48,48 @@ def validate_selection_args(
         or not 0.0 < keep_ratio <= 1.0
     ):
         raise ValueError(f"keep_ratio must be None or a number in (0, 1], got {keep_ratio!r}")
+
+
+def unscored_len(sink: int, last_q: int) -> int:
+    """The longest row the selection never scores: its first ``sink`` and last ``last_q``
+    tokens, which are always kept, cover all of it."""
+    return sink + last_q
+
+
+def scorable(length: Any, sink: int, last_q: int) -> Any:
+    """Whether rows of ``length`` tokens are long enough to score (an int, or elementwise
+    for numpy arrays and tensors): the one rule of the plugin, the scheduler and both
+    implementations of the operator (Triton's kernel compares with :func:`unscored_len`)."""
+    return length > unscored_len(sink, last_q)
+
+
+@dataclass(frozen=True)
+class SelectionParams:
+    """The selection operator's settings, as one value (validated on construction)."""
+
+    top_p: float = DEFAULT_TOP_P
+    block_size: int = DEFAULT_BLOCK_SIZE
+    last_q: int = DEFAULT_LAST_Q
+    sink: int = DEFAULT_SINK
+    keep_ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        validate_selection_args(
+            self.top_p, self.block_size, self.last_q, self.sink, self.keep_ratio
+        )
+
+    @property
+    def keeps_all(self) -> bool:
+        """``top_p`` 1 without a keep ratio keeps every block: the dense path, exactly."""
+        return self.top_p >= 1.0 and self.keep_ratio is None
+
+    def scorable(self, length: Any) -> Any:
+        """:func:`scorable` with these settings."""
+        return scorable(length, self.sink, self.last_q)
+
+    def kwargs(self) -> dict[str, Any]:
+        """As keyword arguments of :func:`uniprefill.ops.select_tokens`."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
@@ -86,9 +132,11 @@ class UniPrefillConfig:
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        validate_selection_args(
+        # Validates the selection settings; kept beside the fields (not one of them).
+        selection = SelectionParams(
             self.top_p, self.block_size, self.last_q, self.sink, self.keep_ratio
         )
+        object.__setattr__(self, "_selection", selection)
         for name in ("min_prompt_len", "dense_prefix_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -117,6 +165,12 @@ class UniPrefillConfig:
                 )
             object.__setattr__(self, "drop_layers", tuple(layers))
 
+    @property
+    def selection(self) -> SelectionParams:
+        """The selection settings (``top_p``, ``block_size``, ``last_q``, ``sink``,
+        ``keep_ratio``) as one value."""
+        return self._selection  # type: ignore[attr-defined]
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> UniPrefillConfig:
         """Build from the ``"uniprefill"`` entry of vLLM's ``additional_config``.
@@ -141,3 +195,28 @@ class UniPrefillConfig:
         if out["drop_layers"] is not None:
             out["drop_layers"] = list(out["drop_layers"])
         return out
+
+
+def has_entry(additional_config: Any) -> bool:
+    """Whether vLLM's ``additional_config`` asks for UniPrefill (enabled or not)."""
+    return isinstance(additional_config, dict) and ENTRY in additional_config
+
+
+def uniprefill_config(additional_config: Any) -> UniPrefillConfig | None:
+    """The enabled UniPrefill config in vLLM's ``additional_config``, else ``None``.
+
+    The entry is parsed once per process: the front end, the scheduler, the model and
+    the V2-runner choice (read on every access) all get the same object.
+    """
+    if not has_entry(additional_config):
+        return None
+    raw = additional_config[ENTRY]
+    key = json.dumps(raw, sort_keys=True, default=repr)
+    cfg = _PARSED.get(key)
+    if cfg is None:
+        cfg = _PARSED[key] = UniPrefillConfig.from_dict(raw)
+    return cfg if cfg.enabled else None
+
+
+# Entries parsed in this process, by their JSON text (a few per process at most).
+_PARSED: dict[str, UniPrefillConfig] = {}

@@ -43,8 +43,8 @@ import functools
 import logging
 from typing import Any
 
+from uniprefill.config import has_entry, uniprefill_config
 from uniprefill.vllm import engine, versions
-from uniprefill.vllm.models.base import uniprefill_config
 
 logger = logging.getLogger("vllm.uniprefill")
 
@@ -62,10 +62,6 @@ def apply() -> None:
     _applied = True
 
 
-def _has_entry(additional_config: Any) -> bool:
-    return isinstance(additional_config, dict) and "uniprefill" in additional_config
-
-
 def _patch_create_engine_config() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -74,7 +70,7 @@ def _patch_create_engine_config() -> None:
     @functools.wraps(orig)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         global _told_unsupported
-        if not _has_entry(self.additional_config):
+        if not has_entry(self.additional_config):
             if not versions.is_supported() and not _told_unsupported:
                 logger.info("%s; UniPrefill stays off", versions.unsupported_message())
                 _told_unsupported = True

@@ -35,9 +35,9 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from uniprefill.config import uniprefill_config
 from uniprefill.vllm import kv_blocks
 from uniprefill.vllm.kv_specs import StageAttentionManager
-from uniprefill.vllm.models.base import uniprefill_config
 from uniprefill.vllm.requests import may_drop
 
 # Tokens of a request its KV blocks may be published for (absent: no cap).
