@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -90,19 +91,39 @@ def _stop(proc: subprocess.Popen, timeout: float = 60) -> int | None:
         return None
 
 
-def test_serve_end_to_end_on_cpu(tiny_llama: Path, tmp_path: Path) -> None:
+class Server:
+    """A ``uniprefill serve`` process on 127.0.0.1 with its log file."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
+        self.proc, self.port, self.log = proc, port, log
+        self.children: list = []
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def client(self):  # type: ignore[no-untyped-def]
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.url("/v1"), api_key="unused", timeout=120, max_retries=0)
+
+    def health(self) -> int:
+        try:
+            with urllib.request.urlopen(self.url("/health"), timeout=5) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """One server for the end-to-end tests of this module (start-up is the slow part)."""
     import psutil
-    from openai import OpenAI
-    from transformers import AutoTokenizer
-
-    from uniprefill.eval.ruler import make_sample, token_counter
-
-    count = token_counter(AutoTokenizer.from_pretrained(str(tiny_llama)))
-    long_prompt = make_sample("niah_single", 1536, 0, count, seed=0).prompt  # drops at 0.9
-    short_prompt = "The grass is green. The sky is"  # shorter than sink + last_q: kept
 
     port = _free_port()
-    log = tmp_path / "server.log"
+    log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [sys.executable, "-m", "uniprefill.cli", "serve", str(tiny_llama), "--top-p", "0.9"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
     cmd += ["--max-model-len", "2048", "--max-num-batched-tokens", "2048", "--max-num-seqs", "4"]
@@ -113,38 +134,134 @@ def test_serve_end_to_end_on_cpu(tiny_llama: Path, tmp_path: Path) -> None:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    children: list = []
+    srv = Server(proc, port, log)
     try:
-        _wait_healthy(proc, f"http://127.0.0.1:{port}/health", log, timeout=300)
-        children = psutil.Process(proc.pid).children(recursive=True)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
-        (model,) = [m.id for m in client.models.list().data]
-        assert model == str(tiny_llama)
-        long = client.completions.create(
-            model=model, prompt=long_prompt, max_tokens=4, temperature=0
-        )
-        short = client.completions.create(
-            model=model, prompt=short_prompt, max_tokens=4, temperature=0
-        )
-        for c in (long, short):
-            assert len(c.choices) == 1 and c.usage.completion_tokens >= 1
-        n_prompt = long.usage.prompt_tokens
-        assert 1400 <= n_prompt <= 1536
+        _wait_healthy(proc, srv.url("/health"), log, timeout=300)
+        srv.children = psutil.Process(proc.pid).children(recursive=True)
+        yield srv
     finally:
-        code = _stop(proc)
-    text = log.read_text()
-    assert code is not None, "the server did not stop on SIGINT:\n" + text[-3000:]
-    # vLLM's engine-core process goes with it.
-    _, alive = psutil.wait_procs(children, timeout=30)
-    for p in alive:  # only what this test started
-        p.kill()
-    assert not alive, f"still running after the server stopped: {alive}"
+        _stop(proc)
+        for p in srv.children:  # only what this module started
+            if p.is_running():
+                p.kill()
+
+
+def _long_prompt(tiny_llama: Path) -> str:
+    from transformers import AutoTokenizer
+
+    from uniprefill.eval.ruler import make_sample, token_counter
+
+    count = token_counter(AutoTokenizer.from_pretrained(str(tiny_llama)))
+    return make_sample("niah_single", 1536, 0, count, seed=0).prompt  # drops at 0.9
+
+
+SHORT_PROMPT = "The grass is green. The sky is"  # shorter than sink + last_q: kept
+
+
+def _dropped_lines(text: str, completion_id: str) -> list[re.Match]:
+    # vLLM's internal request id is the completion's id plus a per-choice suffix.
+    return [m for m in DROPPED_LINE.finditer(text) if m.group(1).startswith(completion_id)]
+
+
+def test_serve_end_to_end_on_cpu(server: Server, tiny_llama: Path) -> None:
+    client = server.client()
+    (model,) = [m.id for m in client.models.list().data]
+    assert model == str(tiny_llama)
+    long = client.completions.create(
+        model=model, prompt=_long_prompt(tiny_llama), max_tokens=4, temperature=0
+    )
+    short = client.completions.create(model=model, prompt=SHORT_PROMPT, max_tokens=4, temperature=0)
+    for c in (long, short):
+        assert len(c.choices) == 1 and c.usage.completion_tokens >= 1
+    n_prompt = long.usage.prompt_tokens
+    assert 1400 <= n_prompt <= 1536
 
     # The dropped prefill is reported, once, with the prompt's length; the short one is not.
-    found = [m for m in DROPPED_LINE.finditer(text)]
+    text = server.text()
+    found = _dropped_lines(text, long.id)
     assert found, "no 'prefill dropped' line in the server log:\n" + text[-3000:]
     (m,) = found
     assert int(m.group(2)) == long.usage.prompt_tokens
     shares = [float(x) for x in m.group(3).split(",")]
     assert len(shares) == 4  # tiny Llama, 6 layers: drop layers 1, 2, 3, 4
     assert shares == sorted(shares, reverse=True) and 0.0 < shares[-1] < 1.0
+    assert not _dropped_lines(text, short.id)
+
+
+# Requests a client may send: vLLM's sampling options (OpenAI fields and vLLM's own
+# extra_body fields). On CPU the top-k/top-p filter once ran a Triton kernel the
+# interpreter cannot run, and the first such request killed the engine (issue 26).
+SAMPLED_REQUESTS: list[dict] = [
+    {"temperature": 0.8, "top_p": 0.9},
+    {"temperature": 1.0, "extra_body": {"top_k": 5}},
+    {"temperature": 1.0, "n": 2, "extra_body": {"top_k": 1}},
+    {"temperature": 1.0, "seed": 7, "extra_body": {"min_p": 0.1}},
+    {
+        "temperature": 0.7,
+        "top_p": 0.5,
+        "n": 3,
+        "seed": 1,
+        "extra_body": {"top_k": 5, "min_p": 0.05},
+    },
+    {"temperature": 1.0, "presence_penalty": 1.0, "frequency_penalty": 0.5},
+    {"temperature": 1.0, "logprobs": 3, "extra_body": {"top_k": 3, "repetition_penalty": 1.2}},
+    {"temperature": 1.0, "logit_bias": {"5": 10}},
+    {"temperature": 1.0, "extra_body": {"allowed_token_ids": [5, 6, 7], "prompt_logprobs": 2}},
+]
+
+
+def test_sampled_requests_keep_the_server_alive(server: Server, tiny_llama: Path) -> None:
+    import openai
+
+    client = server.client()
+    model = str(tiny_llama)
+    for kw in SAMPLED_REQUESTS:
+        out = client.completions.create(model=model, prompt=SHORT_PROMPT, max_tokens=3, **kw)
+        assert len(out.choices) == kw.get("n", 1), kw
+        assert all(c.text is not None for c in out.choices)
+        assert server.health() == 200, f"engine died after {kw}:\n{server.text()[-3000:]}"
+    # top_k 1 is greedy: both choices equal the greedy completion.
+    greedy = client.completions.create(
+        model=model, prompt=SHORT_PROMPT, max_tokens=3, temperature=0
+    )
+    top1 = client.completions.create(
+        model=model,
+        prompt=SHORT_PROMPT,
+        max_tokens=3,
+        temperature=1.0,
+        n=2,
+        extra_body={"top_k": 1},
+    )
+    assert [c.text for c in top1.choices] == [greedy.choices[0].text] * 2
+    # Seeded sampling repeats.
+    seeded = [
+        client.completions.create(
+            model=model, prompt=SHORT_PROMPT, max_tokens=4, temperature=1.0, top_p=0.8, seed=11
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1]
+    # Out-of-range values are the client's error, not the engine's.
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt=SHORT_PROMPT, max_tokens=2, top_p=1.5)
+    # A dropping greedy request still answers afterwards.
+    long = client.completions.create(
+        model=model, prompt=_long_prompt(tiny_llama), max_tokens=2, temperature=0.8, top_p=0.9
+    )
+    assert long.usage.completion_tokens >= 1
+    after = client.completions.create(model=model, prompt=SHORT_PROMPT, max_tokens=3, temperature=0)
+    assert after.choices[0].text == greedy.choices[0].text
+    assert server.health() == 200
+
+
+def test_ctrl_c_stops_the_server(server: Server) -> None:
+    """Last in the module: SIGINT stops the server and vLLM's engine-core process."""
+    import psutil
+
+    code = _stop(server.proc)
+    text = server.text()
+    assert code is not None, "the server did not stop on SIGINT:\n" + text[-3000:]
+    _, alive = psutil.wait_procs(server.children, timeout=30)
+    assert not alive, f"still running after the server stopped: {alive}"

