@@ -94,5 +94,9 @@ def test_predict_limits_and_notes() -> None:
 def test_family_of() -> None:
     assert speedup.family_of(["Gemma3ForCausalLM"]) == "gemma3"
     assert speedup.family_of(["Qwen3NextForCausalLM"]) == "qwen3_next"
-    assert speedup.family_of(["MistralForCausalLM"]) is None
+    # Dense full-attention families are predicted from the Llama shape's measurements.
+    assert speedup.family_of(["MistralForCausalLM"]) == "llama"
+    assert speedup.family_of(["Qwen2ForCausalLM"]) == "llama"
+    assert speedup.family_of(["MixtralForCausalLM"]) is None  # no MoE shape measured
+    assert speedup.family_of(["GPT2LMHeadModel"]) is None
     assert "| llama | 128K |" in speedup.fit_table()

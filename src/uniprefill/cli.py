@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from uniprefill.eval.ruler import TASKS
+from uniprefill.vllm.families import FAMILY_NAMES
 
 
 def _ints(text: str) -> list[int]:
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser(
         "eval", help="RULER-style accuracy, dense vs UniPrefill on the same prompts"
     )
-    ev.add_argument("model", help="model directory, or a tiny arch: llama, gemma3, qwen3_next")
+    ev.add_argument("model", help=f"model directory, or a tiny arch: {', '.join(FAMILY_NAMES)}")
     ev.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated from {TASKS}")
     ev.add_argument("--lengths", type=_lengths, default=[1024], help="e.g. 4k,8k,16384")
     ev.add_argument("--samples", type=int, default=2, help="samples per task and length")
@@ -95,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--plot", type=Path, help="also write accuracy vs length (PNG, matplotlib)")
 
     demo = sub.add_parser("demo", help="tiny model: dense vs UniPrefill, kept ratio and time")
-    demo.add_argument("--arch", default="llama", choices=("llama", "gemma3", "qwen3_next"))
+    demo.add_argument("--arch", default="llama", choices=FAMILY_NAMES)
     demo.add_argument("--lengths", type=_lengths, default=[512, 1024, 1536])
     _add_method_args(demo)
 
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         "per drop layer, the TTFT speedup it predicts on the H200 measurements, and the "
         "fastest top_p within the loss budget.",
     )
-    cal.add_argument("model", help="model directory, or a tiny arch: llama, gemma3, qwen3_next")
+    cal.add_argument("model", help=f"model directory, or a tiny arch: {', '.join(FAMILY_NAMES)}")
     cal.add_argument(
         "--top-p",
         type=_floats,

@@ -22,9 +22,18 @@ DEFAULT_LENGTHS = (512, 1024, 1536)
 DEMO_NEW_TOKENS = 4
 # Lower than the 0.99 default so a random model visibly drops tokens.
 DEFAULT_DEMO_CONFIG: dict[str, Any] = {"top_p": 0.9}
-# The tiny Qwen3-Next has full attention at layers 1 and 3 only, and the default
-# schedule skips the first and last full layer, so it would drop nothing: name one.
-DEMO_DROP_LAYERS: dict[str, list[int]] = {"qwen3_next": [1]}
+
+
+def demo_drop_layers(arch: str) -> list[int] | None:
+    """None (the family's default schedule) unless that drops nothing on the tiny model:
+    the tiny Qwen3-Next has full attention at layers 1 and 3 only, and its default skips
+    the first and last full layer. Then the drop layers the tests use."""
+    from uniprefill.testing import test_drop_layers, tiny_config
+    from uniprefill.vllm.families import family_named
+
+    if family_named(arch).default_drop_layers(tiny_config(arch)):
+        return None
+    return test_drop_layers(arch)
 
 
 def run_demo(
@@ -44,8 +53,8 @@ def run_demo(
     from uniprefill.testing import cached_tiny_model, vllm_kwargs
 
     cfg = dict(DEFAULT_DEMO_CONFIG if uniprefill_config is None else uniprefill_config)
-    if arch in DEMO_DROP_LAYERS:
-        cfg.setdefault("drop_layers", DEMO_DROP_LAYERS[arch])
+    if (drops := demo_drop_layers(arch)) is not None:
+        cfg.setdefault("drop_layers", drops)
     print(f"building tiny {arch} model (cached) ...", file=out, flush=True)
     path = cached_tiny_model(arch)  # type: ignore[arg-type]
     count = token_counter(AutoTokenizer.from_pretrained(str(path)))

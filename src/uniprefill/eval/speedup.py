@@ -52,12 +52,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Architecture (config.json "architectures") -> family key of FITS.
-FAMILY_OF_ARCH = {
-    "LlamaForCausalLM": "llama",
-    "Gemma3ForCausalLM": "gemma3",
-    "Qwen3NextForCausalLM": "qwen3_next",
-}
 # Benchmark model name (bench_ttft.py MODELS) -> family, and the shape it stands for.
 BENCH_MODELS = {"llama8b": "llama", "gemma3": "gemma3", "qwen3next": "qwen3_next"}
 SHAPES = {
@@ -170,10 +164,14 @@ class Prediction:
 
 
 def family_of(architectures: Iterable[str]) -> str | None:
-    for a in architectures:
-        if a in FAMILY_OF_ARCH:
-            return FAMILY_OF_ARCH[a]
-    return None
+    """The key of FITS whose time model stands for these architectures (the registry's
+    ``speed_fit``: dense full-attention families use the Llama fit), or None."""
+    from uniprefill.vllm.families import family_for
+
+    try:
+        return family_for(list(architectures)).speed_fit
+    except ValueError:
+        return None
 
 
 def _interp(points: dict[int, PointFit], length: int, attr: str) -> tuple[float | None, bool]:

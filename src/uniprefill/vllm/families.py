@@ -135,6 +135,9 @@ class ModelFamily:
     layout: DecoderLayout = PRE_NORM
     # What a kept token means for this family's special layers (docs/usage.md's table).
     notes: str = ""
+    # The family whose measured H200 time model (``uniprefill.eval.speedup``) predicts
+    # this one's speedup; None where no measured shape stands for it.
+    speed_fit: str | None = None
 
     def attention(self, layer: Any) -> Any:
         """The vLLM ``Attention`` module of a full-attention decoder layer."""
@@ -194,6 +197,7 @@ _MOE = _frozen(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily(
         family="llama",
+        speed_fit="llama",
         architectures=_frozen(LlamaForCausalLM=_M + "llama:LlamaForCausalLM"),
         schedule=by_depth,
         tiny=TinyModel(
@@ -206,6 +210,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ),
     ModelFamily(
         family="gemma3",
+        speed_fit="gemma3",
         architectures=_frozen(Gemma3ForCausalLM=_M + "gemma3:Gemma3ForCausalLM"),
         schedule=full_between_60_and_86,
         # Gemma 3 normalises the attention output alone, then adds the residual in
@@ -234,6 +239,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ),
     ModelFamily(
         family="qwen3_next",
+        speed_fit="qwen3_next",
         architectures=_frozen(Qwen3NextForCausalLM=_M + "qwen3_next:Qwen3NextForCausalLM"),
         schedule=inner_full,
         # layer_scale multiplies the attention output, before the gather point.
@@ -267,6 +273,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ),
     ModelFamily(
         family="qwen2",
+        speed_fit="llama",
         architectures=_frozen(Qwen2ForCausalLM=_M + "qwen2:Qwen2ForCausalLM"),
         schedule=by_depth,
         tiny=TinyModel(
@@ -279,6 +286,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ),
     ModelFamily(
         family="qwen3",
+        speed_fit="llama",
         architectures=_frozen(Qwen3ForCausalLM=_M + "qwen3:Qwen3ForCausalLM"),
         schedule=by_depth,
         tiny=TinyModel("Qwen3Config", "qwen3", num_layers=6, test_drop_layers=(1, 3)),
@@ -306,6 +314,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ),
     ModelFamily(
         family="mistral",
+        speed_fit="llama",
         architectures=_frozen(
             MistralForCausalLM=_M + "mistral:MistralForCausalLM",
             Ministral3ForCausalLM=_M + "mistral:MistralForCausalLM",
@@ -336,6 +345,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ),
     ModelFamily(
         family="phi3",
+        speed_fit="llama",
         architectures=_frozen(Phi3ForCausalLM=_M + "phi3:Phi3ForCausalLM"),
         schedule=by_depth,
         notes="Phi-3-mini-4k sets a 2047-token sliding window on every layer: refused",
