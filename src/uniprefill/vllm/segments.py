@@ -10,19 +10,19 @@ mixer), so the layers run in segments of fixed token count:
 
 A layer's halves are shallow copies of vLLM's decoder layer that share its modules
 and weights, with the other half's sub-modules stood in for by :class:`Skipped`
-(which passes ``hidden_states`` and ``residual`` through), so vLLM's own layer
-``forward`` runs either half. The runtime's glue between segments (selection,
-gather, next stage's metadata) stays eager. In a compiled engine each segment is
-``torch.compile``'d once, with a dynamic token count, so a dropping step runs
-Inductor-fused kernels as vLLM's compiled model does, instead of its unfused
-PyTorch ops in eager mode.
+(a norm passes ``hidden_states`` and ``residual`` through, any other module its
+first input), so vLLM's own layer ``forward`` runs either half. The runtime's
+glue between segments (selection, gather, next stage's metadata) stays eager. In
+a compiled engine each segment is ``torch.compile``'d once, with a dynamic token
+count, so a dropping step runs Inductor-fused kernels as vLLM's compiled model
+does, instead of its unfused PyTorch ops in eager mode.
 """
 
 from __future__ import annotations
 
 import copy
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,17 +30,50 @@ from torch import nn
 
 
 class Skipped(nn.Module):
-    """Stands for a sub-module a layer half does not run: passes its input through."""
+    """Stands for a sub-module a layer half does not run.
+
+    A norm stand-in returns what vLLM's norms return: ``hidden`` alone, or
+    ``(hidden, residual)`` when called with a residual (the fused add-norm). Any other
+    module returns its first input only: a second argument is no residual there
+    (GPT-OSS calls ``self.attn(hidden_states, positions)``). ``zero`` returns zeros
+    instead, for a branch whose output a layer adds to the residual inline
+    (Gemma 4): the skipped branch then adds nothing.
+    """
+
+    def __init__(self, norm: bool, zero: bool = False) -> None:
+        super().__init__()
+        self.norm, self.zero = norm, zero
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        hidden = args[0] if args else kwargs["hidden_states"]
+        hidden = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
+        if hidden is None:
+            raise TypeError(
+                f"uniprefill: Skipped got no hidden states ({len(args)} args, {sorted(kwargs)})"
+            )
+        if self.zero:
+            hidden = torch.zeros_like(hidden)
+        if not self.norm:
+            return hidden
         residual = args[1] if len(args) > 1 else kwargs.get("residual")
         return hidden if residual is None else (hidden, residual)
 
 
-def layer_half(layer: nn.Module, skip: Sequence[str], attrs_off: Sequence[str] = ()) -> nn.Module:
-    """``layer`` with the sub-modules ``skip`` passed through and flags ``attrs_off`` off."""
-    missing = [name for name in (*skip, *attrs_off) if not hasattr(layer, name)]
+def _is_norm(module: nn.Module) -> bool:
+    # vLLM's RMSNorm, GemmaRMSNorm, Qwen3_5RMSNorm, LayerNorm, ...
+    return "norm" in type(module).__name__.lower()
+
+
+def layer_half(
+    layer: nn.Module,
+    skip: Sequence[str],
+    attrs_off: Sequence[str] = (),
+    zero: Sequence[str] = (),
+    attrs: Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """``layer`` with the sub-modules ``skip`` passed through (those also in ``zero``
+    return zeros), flags ``attrs_off`` off and attributes ``attrs`` set."""
+    attrs = dict(attrs or {})
+    missing = [name for name in (*skip, *attrs_off, *attrs) if not hasattr(layer, name)]
     if missing:
         raise RuntimeError(
             f"uniprefill: {type(layer).__name__} has no {missing}; this vLLM's decoder "
@@ -49,9 +82,11 @@ def layer_half(layer: nn.Module, skip: Sequence[str], attrs_off: Sequence[str] =
     half = copy.copy(layer)
     half._modules = dict(layer._modules)  # its own module table; weights stay shared
     for name in skip:
-        half._modules[name] = Skipped()
+        half._modules[name] = Skipped(norm=_is_norm(layer._modules[name]), zero=name in zero)
     for name in attrs_off:
         object.__setattr__(half, name, False)
+    for name, value in attrs.items():
+        object.__setattr__(half, name, value)
     return half
 
 
@@ -68,7 +103,15 @@ class Segment:
         for piece in self.pieces:
             hidden, residual = piece(positions=positions, hidden_states=hidden, residual=residual)
         if self.norm is not None:
+            if residual is None:
+                return self.norm(hidden), None
             hidden, _ = self.norm(hidden, residual)
+            return hidden, residual
+        if residual is None:
+            # Layers that add their residual inline and return none (Gemma 4): the
+            # runtime gathers a residual at the gather point, and the next layer reads
+            # only the hidden states.
+            residual = torch.zeros_like(hidden)
         return hidden, residual
 
 
@@ -79,21 +122,25 @@ def build_segments(
     mixer: Sequence[str],
     ffn: Sequence[str],
     ffn_attrs_off: Sequence[str] = (),
+    zeroed: Sequence[str] = (),
+    mixer_attrs: Mapping[str, Any] | None = None,
 ) -> list[Segment]:
     """``len(drop_layers) + 1`` segments covering ``layers`` and the final ``norm``.
 
     ``mixer`` names the sub-modules a drop layer runs before its gather point,
     ``ffn`` those from its gather module on; ``ffn_attrs_off`` are flags of the
-    layer that apply to the mixer's output and must not apply twice.
+    layer that apply to the mixer's output and must not apply twice. ``zeroed``
+    sub-modules return zeros where skipped, and ``mixer_attrs`` are attributes the
+    mixer half sets (``DecoderLayout`` says why a family needs them).
     """
     segments: list[Segment] = []
     start: nn.Module | None = None  # FFN half of the previous drop layer
     first = 0
     for d in drop_layers:
         pieces = ([start] if start is not None else []) + list(layers[first:d])
-        pieces.append(layer_half(layers[d], skip=ffn))
+        pieces.append(layer_half(layers[d], skip=ffn, zero=zeroed, attrs=mixer_attrs))
         segments.append(Segment(pieces, None))
-        start = layer_half(layers[d], skip=mixer, attrs_off=ffn_attrs_off)
+        start = layer_half(layers[d], skip=mixer, attrs_off=ffn_attrs_off, zero=zeroed)
         first = d + 1
     pieces = ([start] if start is not None else []) + list(layers[first:])
     segments.append(Segment(pieces, norm))
