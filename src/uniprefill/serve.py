@@ -19,6 +19,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from uniprefill.config import ENTRY, UniPrefillConfig
 from uniprefill.cpu_memory import ENV as KVCACHE_ENV
 from uniprefill.cpu_memory import apply_default
 
@@ -39,9 +40,14 @@ def serve_command(
     prefix caching stay as in plain vLLM (docs/usage.md, "Engine settings").
 
     ``uniprefill_config`` is the ``additional_config["uniprefill"]`` dict (``{}``: the
-    plugin's defaults). ``vllm_args`` go last, so they can add any other vLLM option.
+    plugin's defaults). ``vllm_args`` go last, so they can add any other vLLM option; an
+    ``--additional-config`` among them is merged with the UniPrefill flags
+    (:func:`merge_additional_config`), and the merged UniPrefill settings are validated
+    here, before vLLM starts. Raises ``ValueError`` with a one-line message.
     """
-    cfg = json.dumps({"uniprefill": dict(uniprefill_config or {})}, separators=(",", ":"))
+    user, rest = split_additional_config(vllm_args)
+    merged = merge_additional_config(uniprefill_config or {}, user)
+    UniPrefillConfig.from_dict(merged[ENTRY])
     return [
         python or sys.executable,
         "-m",
@@ -49,9 +55,68 @@ def serve_command(
         "--model",
         model,
         "--additional-config",
-        cfg,
-        *vllm_args,
+        json.dumps(merged, separators=(",", ":")),
+        *rest,
     ]
+
+
+_ADDITIONAL_CONFIG = "--additional-config"
+
+
+def split_additional_config(vllm_args: Sequence[str]) -> tuple[dict | None, list[str]]:
+    """The user's ``--additional-config`` JSON object (None if not given) and the other
+    vLLM arguments."""
+    rest: list[str] = []
+    found: dict | None = None
+    i = 0
+    while i < len(vllm_args):
+        arg = vllm_args[i]
+        name, eq, value = arg.partition("=")
+        name = name.replace("_", "-")  # vLLM accepts --additional_config too
+        if name.startswith(_ADDITIONAL_CONFIG + "."):
+            raise ValueError(
+                f"{arg}: give --additional-config as one JSON object to uniprefill serve"
+            )
+        if name != _ADDITIONAL_CONFIG:
+            rest.append(arg)
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= len(vllm_args):
+                raise ValueError("--additional-config needs a JSON object")
+            value = vllm_args[i + 1]
+            i += 1
+        i += 1
+        if found is not None:
+            raise ValueError("--additional-config is given more than once; merge them")
+        try:
+            found = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--additional-config is not valid JSON ({exc}): {value!r}") from None
+        if not isinstance(found, dict):
+            raise ValueError(f"--additional-config must be a JSON object, got {value!r}")
+    return found, rest
+
+
+def merge_additional_config(
+    flags: Mapping[str, Any], user: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The user's ``--additional-config`` with the UniPrefill flags added to its
+    ``"uniprefill"`` entry. A setting given both ways with different values is an error,
+    never silently dropped."""
+    merged = dict(user or {})
+    entry = merged.get(ENTRY, {})
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"--additional-config: {ENTRY!r} must be a JSON object, got {entry!r}")
+    for key, value in flags.items():
+        if key in entry and entry[key] != value:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(
+                f"{flag} {json.dumps(value)} and --additional-config's {ENTRY}.{key} "
+                f"{json.dumps(entry[key])} disagree; give it once"
+            )
+    merged[ENTRY] = {**entry, **flags}
+    return merged
 
 
 def serve_env(
