@@ -202,8 +202,10 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):  # type:
 
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [sys.executable, "-m", "uniprefill.cli", "serve", str(tiny_llama), "--top-p", "0.9"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
+    # "llama": the built-in tiny model, as the docs' offline command serves it (its
+    # dtype, chat template and served name come with it).
+    cmd = [sys.executable, "-m", "uniprefill.cli", "serve", "llama", "--top-p", "0.9"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--max-model-len", "2048", "--max-num-batched-tokens", "2048", "--max-num-seqs", "4"]
     cmd += ["--enforce-eager"]  # torch.compile on 2 CPU cores would add minutes of start-up
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -255,7 +257,7 @@ def _dropped_lines(text: str, completion_id: str) -> list[re.Match]:
 def test_serve_end_to_end_on_cpu(server: Server, tiny_llama: Path) -> None:
     client = server.client()
     (model,) = [m.id for m in client.models.list().data]
-    assert model == str(tiny_llama)
+    assert model == "llama"
     long = client.completions.create(
         model=model, prompt=_long_prompt(tiny_llama), max_tokens=4, temperature=0
     )
@@ -275,6 +277,32 @@ def test_serve_end_to_end_on_cpu(server: Server, tiny_llama: Path) -> None:
     assert len(shares) == 4  # tiny Llama, 6 layers: drop layers 1, 2, 3, 4
     assert shares == sorted(shares, reverse=True) and 0.0 < shares[-1] < 1.0
     assert not _dropped_lines(text, short.id)
+
+
+def test_tiny_model_serves_chat_completions(server: Server) -> None:
+    # Issue 26, trap 4: the tiny model has no chat template of its own.
+    chat = server.client().chat.completions.create(
+        model="llama",
+        messages=[{"role": "user", "content": "The grass is green. The sky is"}],
+        max_tokens=3,
+        temperature=0,
+    )
+    assert chat.choices[0].message.content is not None
+    assert chat.usage.completion_tokens >= 1
+
+
+def test_serve_tiny_arch_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from uniprefill.testing import cached_tiny_model
+
+    assert main(["serve", "qwen3_next", "--dry-run", "--", "--dtype", "float32"]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--model {cached_tiny_model('qwen3_next')} " in line
+    assert "--served-model-name qwen3_next" in line and "--chat-template" in line
+    assert "--mamba-ssm-cache-dtype float32" in line
+    # The user's --dtype wins over the tiny model's bfloat16.
+    assert "bfloat16" not in line and line.count("--dtype") == 1
+    # The tiny Qwen3-Next's schedule drops nothing; serve names a layer, like the demo.
+    assert '"drop_layers":[1]' in line
 
 
 # Requests a client may send: vLLM's sampling options (OpenAI fields and vLLM's own
@@ -303,7 +331,7 @@ def test_sampled_requests_keep_the_server_alive(server: Server, tiny_llama: Path
     import openai
 
     client = server.client()
-    model = str(tiny_llama)
+    model = "llama"
     for kw in SAMPLED_REQUESTS:
         out = client.completions.create(model=model, prompt=SHORT_PROMPT, max_tokens=3, **kw)
         assert len(out.choices) == kw.get("n", 1), kw

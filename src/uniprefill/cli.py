@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate",
         help="choose top_p: accuracy vs dense and predicted H200 speedup at several top_p",
         description="Run the RULER-style suite (or --prompts FILE) dense and at each top_p in "
-        "one engine; report the score difference against dense (95%% CI), the kept share "
+        "one engine; report the score difference against dense (95% CI), the kept share "
         "per drop layer, the TTFT speedup it predicts on the H200 measurements, and the "
         "fastest top_p within the loss budget.",
     )
@@ -171,10 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start vLLM's OpenAI-compatible API server with UniPrefill on and the "
         "engine flags it needs. Arguments it does not know go to vLLM unchanged "
         "(e.g. --port 8000 --max-num-batched-tokens 131072), and so does everything after "
-        "'--' (--block-size here is UniPrefill's scoring block; vLLM's goes after '--').",
+        "'--' (--block-size here is UniPrefill's scoring block; vLLM's goes after '--'). "
+        "On CPU add --enforce-eager: a compiled server took ~100 s to start on 2 cores, "
+        "~30 s eager.",
         allow_abbrev=False,
     )
-    srv.add_argument("model", help="model directory or name, as for vllm serve")
+    srv.add_argument(
+        "model",
+        help="model directory or name, as for vllm serve, or a tiny arch (built offline): "
+        + ", ".join(FAMILY_NAMES),
+    )
     srv.add_argument("--dry-run", action="store_true", help="print the command, do not start")
     _add_method_args(srv)
     return parser
@@ -305,10 +311,19 @@ _NO_MATPLOTLIB = (
 
 
 def _serve(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
-    from uniprefill.serve import describe, exec_server, serve_command, serve_env
+    from uniprefill.serve import (
+        describe,
+        exec_server,
+        serve_command,
+        serve_env,
+        tiny_model_serve,
+    )
 
+    model, flags = args.model, method_config(args)
     try:
-        argv = serve_command(args.model, method_config(args), vllm_args)
+        if model in FAMILY_NAMES and not Path(model).exists():
+            model, flags, vllm_args = tiny_model_serve(model, flags, vllm_args)
+        argv = serve_command(model, flags, vllm_args)
     except ValueError as exc:
         raise SystemExit(f"uniprefill serve: error: {exc}") from None
     env = serve_env(vllm_args=vllm_args)

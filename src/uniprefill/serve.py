@@ -119,6 +119,45 @@ def merge_additional_config(
     return merged
 
 
+# A plain chat template for the tiny models (their tokenizers carry none), passed to vLLM
+# as a literal, so /v1/chat/completions answers on them.
+TINY_CHAT_TEMPLATE = (
+    '{% for m in messages %}{{ m.role }}: {{ m.content }}{{ "\\n" }}{% endfor %}'
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def tiny_model_serve(
+    arch: str, flags: Mapping[str, Any], vllm_args: Sequence[str]
+) -> tuple[str, dict[str, Any], list[str]]:
+    """``uniprefill serve llama``: the built-in tiny model (built offline, cached), as
+    ``calibrate`` and ``eval`` take it. Returns its directory, the UniPrefill flags and
+    the vLLM arguments with what it needs (its dtype, a chat template, ``llama`` as the
+    served name, drop layers where the family's schedule has none), each only where the
+    user gave none."""
+    from uniprefill.demo import demo_drop_layers
+    from uniprefill.testing import cached_tiny_model, vllm_kwargs
+
+    path = cached_tiny_model(arch)  # type: ignore[arg-type]
+    given = {a.partition("=")[0].replace("_", "-") for a in vllm_args if a.startswith("--")}
+    defaults = {
+        **vllm_kwargs(arch),  # type: ignore[arg-type]
+        "served_model_name": arch,
+        "chat_template": TINY_CHAT_TEMPLATE,
+    }
+    extra: list[str] = []
+    for key, value in defaults.items():
+        flag = "--" + key.replace("_", "-")
+        if flag not in given:
+            extra += [flag, str(value)]
+    flags = dict(flags)
+    user, _ = split_additional_config(vllm_args)
+    drops = demo_drop_layers(arch)
+    if drops is not None and "drop_layers" not in {**flags, **(user or {}).get(ENTRY, {})}:
+        flags["drop_layers"] = drops
+    return str(path), flags, extra + list(vllm_args)
+
+
 def serve_env(
     environ: Mapping[str, str] | None = None,
     *,
