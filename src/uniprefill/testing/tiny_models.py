@@ -185,6 +185,12 @@ def build_tiny_model(
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    fill = _family(arch).tiny.fill
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            for suffix, values in fill.items():
+                if name.endswith(suffix):
+                    param.copy_(torch.tensor(values, dtype=param.dtype).expand_as(param))
     model.save_pretrained(str(out_dir), safe_serialization=True)
     build_tiny_tokenizer(out_dir)
     return out_dir

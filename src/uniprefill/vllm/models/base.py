@@ -75,6 +75,8 @@ class UniPrefillModel:
             mixer=fam.layout.mixer,
             ffn=fam.layout.ffn,
             ffn_attrs_off=fam.layout.ffn_attrs_off,
+            zeroed=fam.layout.zeroed,
+            mixer_attrs=fam.layout.mixer_attrs,
         )
         # Compiled as vLLM's own model is, unless the setting says otherwise.
         self._compiled = cfg.compile_drop_steps
