@@ -61,7 +61,7 @@ def unset(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(uniprefill.eval.runner, "format_table", lambda r: "")
     monkeypatch.setattr(uniprefill.eval.calibrate, "run_calibration", record("calibrate", {}))
     monkeypatch.setattr(uniprefill.eval.calibrate, "format_calibration", lambda r: "")
-    monkeypatch.setattr(uniprefill.serve, "exec_server", record("serve"))
+    monkeypatch.setattr(uniprefill.serve, "run_server", record("serve", 0))
     return seen
 
 

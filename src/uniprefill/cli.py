@@ -313,7 +313,7 @@ _NO_MATPLOTLIB = (
 def _serve(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
     from uniprefill.serve import (
         describe,
-        exec_server,
+        run_server,
         serve_command,
         serve_env,
         tiny_model_serve,
@@ -330,8 +330,7 @@ def _serve(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
     print(describe(argv, env), file=sys.stderr)
     if args.dry_run:
         return 0
-    exec_server(argv, env)
-    return 0  # not reached
+    return run_server(argv, env)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -181,8 +183,40 @@ def describe(argv: Sequence[str], env: Mapping[str, str]) -> str:
     return prefix + shlex.join(argv)
 
 
-def exec_server(argv: Sequence[str], env: Mapping[str, str]) -> None:
-    """Replace this process with the server (same pid, signals go straight to vLLM)."""
+def run_server(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run the server in a session of its own and pass Ctrl-C (and SIGTERM, SIGHUP) to its
+    API process only; return its exit status.
+
+    A terminal's Ctrl-C signals the whole foreground process group. Run in it, vLLM's
+    engine-core process got SIGINT too and exited before the API server began its
+    ordered shutdown, whose output handler then logged an ``EngineDeadError`` traceback
+    (issue 26). Signalled alone, the API server stops the engine itself, without one.
+    """
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvpe(argv[0], list(argv), dict(env))
+    proc = subprocess.Popen(
+        list(argv), env=dict(env), start_new_session=True, preexec_fn=_die_with_parent
+    )
+
+    def forward(signum: int, frame: Any) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, forward) for s in forwarded}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _die_with_parent() -> None:
+    # In the child before exec (Linux): SIGTERM the server if `uniprefill serve` dies
+    # without forwarding (SIGKILL), so it is never left running in its own session.
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
