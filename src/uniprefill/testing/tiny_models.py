@@ -271,8 +271,10 @@ def cache_root() -> Path:
 def _cache_key(arch: str, kw: dict[str, Any]) -> str:
     import transformers
 
+    # The registry's tiny model too: an entry's config edited keys a new build.
+    tiny = repr(_family(arch).tiny)
     blob = json.dumps(
-        {"arch": arch, "kw": kw, "v": BUILD_VERSION, "tf": transformers.__version__},
+        {"arch": arch, "kw": kw, "v": BUILD_VERSION, "tf": transformers.__version__, "tiny": tiny},
         sort_keys=True,
         default=str,
     )

