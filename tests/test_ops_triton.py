@@ -181,3 +181,24 @@ def test_kernel_selection_equals_torch_selection(mode: str, monkeypatch) -> None
         assert torch.equal(got.new_cu_seqlens_cpu, got.new_cu_seqlens.cpu())
         assert torch.equal(got.new_lens, ref.new_lens)
         assert got.num_kept < q.shape[0]
+
+
+@needs_kernel
+def test_kernel_layout_mirrors_scorable() -> None:
+    """The layout kernel's scored rows are the rule's: lengths at and around the threshold."""
+    from uniprefill.config import scorable, unscored_len
+    from uniprefill.ops.reference import droppable_rows
+    from uniprefill.ops.triton_select import _layout
+
+    sink, lq = 4, 8
+    edge = unscored_len(sink, lq)
+    lens = [edge - 1, edge, edge + 1, 1, 0, 3 * edge]
+    _, _, cu = make_batch(lens, 2, 2, 16, seed=5)
+    allow = torch.tensor([True, True, True, True, True, False], device=DEVICE)
+    for allow_drop in (None, allow):
+        lay = _layout(cu, allow_drop, min_len=edge, block_n=64, block_size=8)
+        ref = droppable_rows(cu, lq, sink, allow_drop)
+        assert lay[3, : len(lens)].bool().tolist() == ref.tolist()
+    expected = [scorable(n, sink, lq) for n in lens]
+    assert expected == [False, False, True, False, False, True]
+    assert droppable_rows(cu, lq, sink, None).tolist() == expected

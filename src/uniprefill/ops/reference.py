@@ -10,8 +10,18 @@ Two stages:
 2. selection: :func:`select_from_block_scores` turns fp32 block scores into a
    token keep mask with per-request top-p (or keep-ratio), sinks and the last
    queries always kept.  It runs on the device without host syncs except the
-   single read of the kept-token count, and is shared by every scoring
-   implementation, so the Triton path selects with exactly this code.
+   single read of the kept-token count.
+
+What the Triton path (:mod:`uniprefill.ops.triton_select`) shares with this module
+and what it mirrors: it shares :class:`Selection`, the block-score layout below
+(:func:`num_block_slots`, and :func:`token_to_block_scores` for blocks wider than
+its key tile) and the rule of which rows are long enough to score
+(:func:`uniprefill.config.scorable`, whose threshold its layout kernel compares
+with).  It does not run :func:`select_from_block_scores`: its kernels re-implement
+the block rule (ranking by pairwise comparison instead of a segmented sort) and the
+token mask.  ``tests/test_ops_triton.py`` holds the mirror to this code: both get
+the same block scores and must give the same mask, lengths and gather indices, ties
+and short rows included.
 
 Block-score layout (shared by all implementations): request ``b`` owns the
 ``cdiv(len_b, block_size)`` entries starting at ``block_offsets[b]`` of a flat
@@ -26,6 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from uniprefill.config import scorable
 
 
 @dataclass
@@ -74,7 +86,7 @@ def droppable_rows(
 ) -> torch.Tensor:
     """bool [B]: requests whose tokens may be dropped at all."""
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    ok = lens > sink + last_q
+    ok = scorable(lens, sink, last_q)
     if allow_drop is not None:
         ok = ok & allow_drop
     return ok

@@ -13,7 +13,7 @@ from uniprefill.config import (
     DEFAULT_LAST_Q,
     DEFAULT_SINK,
     DEFAULT_TOP_P,
-    validate_selection_args,
+    SelectionParams,
 )
 from uniprefill.ops.reference import (
     Selection,
@@ -152,7 +152,7 @@ def select_tokens(
             values inside ``cu_seqlens`` are checked on the reference path, or
             with ``UNIPREFILL_DEBUG_CHECKS=1``).
     """
-    validate_selection_args(top_p, block_size, last_q, sink, keep_ratio)
+    params = SelectionParams(top_p, block_size, last_q, sink, keep_ratio)  # validates
     _check_tensors(q, k, cu_seqlens, allow_drop)
     if scale is not None and (
         isinstance(scale, bool)
@@ -176,7 +176,7 @@ def select_tokens(
     num_tokens = q.shape[0]
     if impl == "reference" or _DEBUG:
         _check_cu_values(cu_seqlens, num_tokens)
-    if top_p >= 1.0 and keep_ratio is None:
+    if params.keeps_all:
         return keep_all(cu_seqlens, num_tokens)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])

@@ -18,12 +18,14 @@ Computes the same fp32 token scores as
   group and over the tile's blocks, write per (kv head, block) partials; a
   torch sum over kv heads gives the fp32 block scores (all-reduced here under
   tensor parallelism);
-* selection (``_select_kernel``, ``_token_kernel``, ``_gather_kernel``): the
-  same rule as :func:`uniprefill.ops.reference.select_from_block_scores`, with
-  the mass ranked above each block computed by pairwise comparison within its
-  request (O(blocks^2) per request, tiny next to scoring) instead of a
-  segmented sort, and few launches (the host launch cost dominates at small
-  sizes).  ``_layout_kernel`` computes the per-request offsets up front.
+* selection (``_select_kernel``, ``_token_kernel``, ``_gather_kernel``): a mirror
+  of :func:`uniprefill.ops.reference.select_from_block_scores` (not a call of
+  it), with the mass ranked above each block computed by pairwise comparison
+  within its request (O(blocks^2) per request, tiny next to scoring) instead of
+  a segmented sort, and few launches (the host launch cost dominates at small
+  sizes); ``tests/test_ops_triton.py`` checks the two agree on the same scores.
+  ``_layout_kernel`` computes the per-request offsets up front, and which rows
+  are scored (:func:`uniprefill.config.scorable`, against its threshold).
 
 Every reduction has a fixed order (no atomics), so repeated runs and
 tensor-parallel ranks give bit-identical scores.  The K tile of a kv head is
@@ -41,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from uniprefill.config import unscored_len
 from uniprefill.ops.reference import Selection, num_block_slots, token_to_block_scores
 
 # Finite "minus infinity": keeps exp2(NEG - NEG) well defined for rows with no key.
@@ -340,7 +343,7 @@ def _layout_kernel(
         s = tl.load(cu_ptr + r, mask=mask, other=0).to(tl.int32)
         e = tl.load(cu_ptr + r + 1, mask=mask, other=0).to(tl.int32)
         n = e - s
-        drop = (n > min_len) & mask
+        drop = (n > min_len) & mask  # uniprefill.config.scorable, min_len = unscored_len
         if HAS_ALLOW:
             drop = drop & (tl.load(allow_ptr + r, mask=mask, other=0) != 0)
         nt = tl.where(drop, (n + BLOCK_N - 1) // BLOCK_N, 0)
@@ -592,7 +595,9 @@ def token_scores_triton(
 ) -> torch.Tensor:
     """fp32 [T] token scores (same definition as the reference; zero on non-droppable rows)."""
     _, block_n, _, _ = _config(q.shape[-1], last_q)
-    lay = _layout(cu_seqlens, allow_drop, min_len=sink + last_q, block_n=block_n, block_size=1)
+    lay = _layout(
+        cu_seqlens, allow_drop, min_len=unscored_len(sink, last_q), block_n=block_n, block_size=1
+    )
     return _score(q, k, lay, last_q=last_q, scale=scale, seg=1).sum(0)
 
 
@@ -616,7 +621,11 @@ def select_tokens_triton(
     dev = q.device
     _, block_n, _, _ = _config(q.shape[-1], last_q)
     lay = _layout(
-        cu_seqlens, allow_drop, min_len=sink + last_q, block_n=block_n, block_size=block_size
+        cu_seqlens,
+        allow_drop,
+        min_len=unscored_len(sink, last_q),
+        block_n=block_n,
+        block_size=block_size,
     )
     if 1 < block_size <= block_n:  # blocks reduced inside the score kernel
         scores = _score(q, k, lay, last_q=last_q, scale=scale, seg=block_size).sum(0)

@@ -59,5 +59,5 @@ def may_drop(config: Any, prompt_len: int, sampling_params: Any) -> bool:
     return (
         not runs_dense(sampling_params)
         and prompt_len >= config.min_prompt_len
-        and prompt_len > config.sink + config.last_q
+        and config.selection.scorable(prompt_len)
     )
