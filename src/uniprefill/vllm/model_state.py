@@ -10,7 +10,8 @@ Qwen3-Next) and adds, through the state's own hooks:
   are in the batch (or a FULL CUDA graph runs, which reads them every replay)
   writes each later stage's sequence lengths and KV slots into persistent buffers
   and builds that stage's metadata with the stage's own builders;
-* the rebuild of a stage's metadata after a drop layer (called by the runtime).
+* :meth:`~UniPrefillStateMixin.stage_metadata`: a later stage's metadata in a step
+  that drops (called by the model's dropping forward as it enters the stage).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,23 +29,25 @@ from uniprefill.vllm.requests import runs_dense
 from uniprefill.vllm.runtime import UniPrefillRuntime
 from uniprefill.vllm.stages import StageBatch, StageGroups, check_batch_fields, slot_mapping
 from uniprefill.vllm.stages import split_groups as split_stage_groups
-from uniprefill.vllm.step import StepContext
+from uniprefill.vllm.step import StageWalk, StepPlan
+
+if TYPE_CHECKING:  # vLLM's types, named so a type checker flags a renamed attribute
+    from vllm.config import VllmConfig
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.core.sched.output import NewRequestData
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.utils import AttentionGroup
 
 _CLASSES: dict[type, type] = {}
 
 
-def base_state_class(vllm_config: Any) -> type:
-    """The state class vLLM picks for these three families (hybrid or default)."""
-    if vllm_config.model_config.is_hybrid:
-        from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
-
-        return MambaHybridModelState
-    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
-
-    return DefaultModelState
+def base_state_class(vllm_config: VllmConfig) -> type:
+    """The state class vLLM would pick for this model (``versions.py``)."""
+    return versions.base_model_state_class(vllm_config)
 
 
-def model_state_class(vllm_config: Any) -> type:
+def model_state_class(vllm_config: VllmConfig) -> type:
     """UniPrefill's state class over the base class vLLM would choose for this model."""
     base = base_state_class(vllm_config)
     if base not in _CLASSES:
@@ -58,8 +61,8 @@ class _StageBuffers:
     def __init__(
         self,
         runtime: UniPrefillRuntime,
-        attn_groups: list[list[Any]],
-        vllm_config: Any,
+        attn_groups: list[list[AttentionGroup]],
+        vllm_config: VllmConfig,
         device: torch.device,
     ) -> None:
         from vllm.v1.kv_cache_interface import AttentionSpec
@@ -116,7 +119,7 @@ class _StageBuffers:
         runtime.kv_block_size = sizes.pop()
 
     def tables(
-        self, runtime: UniPrefillRuntime, batch: Any, block_tables: tuple[torch.Tensor, ...]
+        self, runtime: UniPrefillRuntime, batch: InputBatch, block_tables: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         """The step's block tables, each stage group's with its requests' freed ranges skipped."""
         if not self.group_stage:
@@ -142,19 +145,24 @@ class _StageBuffers:
 class UniPrefillStateMixin:
     """Hooks UniPrefill adds to vLLM's model state (mixed in before the base class)."""
 
-    def __init__(self, vllm_config: Any, model: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, vllm_config: VllmConfig, model: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, model, *args, **kwargs)  # type: ignore[call-arg]
         from vllm.v1.worker.gpu.input_batch import InputBatch
 
         check_batch_fields(InputBatch)
         self.uniprefill: UniPrefillRuntime = model.make_uniprefill_runtime(
-            self.device, vllm_config.scheduler_config.max_num_seqs
+            self, self.device, vllm_config.scheduler_config.max_num_seqs
         )
         self._stage_buffers: _StageBuffers | None = None
+        # What the step that drops needs for its later stages' metadata (prepare_attn's
+        # build function and arguments), until the next step is prepared.
+        self._step_inputs: (
+            tuple[Any, InputBatch, tuple[torch.Tensor, ...], KVCacheConfig] | None
+        ) = None
         kv_blocks.CHANNEL.reset()  # an earlier engine's records and counts (same process)
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, req_index: int, new_req_data: Any) -> None:
+    def add_request(self, req_index: int, new_req_data: NewRequestData) -> None:
         super().add_request(req_index, new_req_data)  # type: ignore[misc]
         prompt = list(new_req_data.prompt_token_ids or ())
         prefill = new_req_data.prefill_token_ids
@@ -179,12 +187,12 @@ class UniPrefillStateMixin:
     # ---- attention metadata ------------------------------------------------------------------
     def prepare_attn(
         self,
-        input_batch: Any,
-        cudagraph_mode: Any,
+        input_batch: InputBatch,
+        cudagraph_mode: CUDAGraphMode,
         block_tables: tuple[torch.Tensor, ...],
         slot_mappings: torch.Tensor,
-        attn_groups: list[list[Any]],
-        kv_cache_config: Any,
+        attn_groups: list[list[AttentionGroup]],
+        kv_cache_config: KVCacheConfig,
         for_capture: bool = False,
         **kwargs: Any,
     ) -> dict[str, Any]:
@@ -229,10 +237,9 @@ class UniPrefillStateMixin:
         compacted = real and bool(step.dropped[:, 1:].any())
         if step.dropping or for_capture or full_graph or compacted:
             block_tables = bufs.tables(rt, input_batch, block_tables)
+        self._step_inputs = None
         if step.dropping:
-            step.rebuild = functools.partial(
-                self._rebuild_stage, base, input_batch, block_tables, kv_cache_config
-            )
+            self._step_inputs = (base, input_batch, block_tables, kv_cache_config)
         elif for_capture or full_graph or compacted:
             # FULL graphs are captured with (and replay) the stage buffers, so they are
             # filled on every step that may replay one, compacted requests or not.
@@ -253,17 +260,18 @@ class UniPrefillStateMixin:
             rt.stats.prepared_steps += 1
             rt.stats.host_vllm_prepare_s += t0 - t_vllm
             rt.stats.host_prepare_s += time.perf_counter() - t0
+            rt.stats.log_summary()  # INFO, at most once per vLLM's stats interval
         return meta
 
     def _decode_stages(
         self,
         base: Any,
-        step: StepContext,
-        batch: Any,
-        cudagraph_mode: Any,
+        step: StepPlan,
+        batch: InputBatch,
+        cudagraph_mode: CUDAGraphMode,
         block_tables: tuple[torch.Tensor, ...],
         slot_mappings: torch.Tensor,
-        kv_cache_config: Any,
+        kv_cache_config: KVCacheConfig,
         for_capture: bool,
         dropped: torch.Tensor | None,
         meta: dict[str, Any],
@@ -312,25 +320,17 @@ class UniPrefillStateMixin:
                     for name in group.layer_names:
                         step.slot_overrides[name] = slots[s - 1, group.kv_cache_group_id]
 
-    def _rebuild_stage(
-        self,
-        base: Any,
-        batch: Any,
-        block_tables: tuple[torch.Tensor, ...],
-        kv_cache_config: Any,
-        step: StepContext,
-        stage: int,
-        qlen: np.ndarray,
-        ctx: np.ndarray,
-    ) -> None:
-        """Metadata of stage ``stage`` after a drop layer: new token set, compacted KV."""
+    def stage_metadata(self, walk: StageWalk) -> None:
+        """Metadata of the walk's stage after a drop layer: new token set, compacted KV."""
         from vllm.config.compilation import CUDAGraphMode
         from vllm.forward_context import get_forward_context
 
-        bufs = self._stage_buffers
-        assert bufs is not None and step.positions is not None
+        bufs, inputs = self._stage_buffers, self._step_inputs
+        assert bufs is not None and inputs is not None
+        base, batch, block_tables, kv_cache_config = inputs
+        stage, qlen, ctx = walk.stage, walk.qlen, walk.plan.later_ctx(walk.stage)
         groups = bufs.stages[stage - 1]
-        sb = StageBatch.build(qlen, ctx, step.positions, batch.num_reqs_after_padding)
+        sb = StageBatch.build(qlen, ctx, walk.positions, batch.num_reqs_after_padding)
         num_tokens = int(qlen.sum())
         slots = torch.full(
             (len(groups.groups), num_tokens), -1, dtype=torch.int64, device=self.device
@@ -361,7 +361,7 @@ class UniPrefillStateMixin:
             fc.slot_mapping[name] = slots[gid]
 
     def _check_slot_formula(
-        self, batch: Any, block_tables: tuple[torch.Tensor, ...], slot_mappings: torch.Tensor
+        self, batch: InputBatch, block_tables: tuple[torch.Tensor, ...], slot_mappings: torch.Tensor
     ) -> None:
         """Once, on the first real step: our slot arithmetic must equal vLLM's."""
         bufs = self._stage_buffers

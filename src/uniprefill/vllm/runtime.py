@@ -2,10 +2,10 @@
 
 The runtime never imports vLLM. The model state plans each step from the
 ``InputBatch`` (:meth:`UniPrefillRuntime.plan`, which returns the step's
-:class:`~uniprefill.vllm.step.StepContext`), the model's staged forward calls
-:meth:`on_attention_input` and :meth:`on_gather_point` at each drop layer, and a
-:class:`~uniprefill.vllm.step.StageRebuilder` (made by the model state) turns the new
-lengths into vLLM attention metadata for the later layers.
+:class:`~uniprefill.vllm.step.StepPlan`); the model's staged forward starts a
+:class:`~uniprefill.vllm.step.StageWalk` (:meth:`begin_walk`), calls
+:meth:`on_attention_input` and :meth:`on_gather_point` at each drop layer, and then
+asks the model state for the next stage's vLLM attention metadata itself.
 
 Per drop layer, on the device: the selection operator (one host sync, for the kept
 count) and a gather of hidden states, residual and positions. On the host: the
@@ -26,6 +26,7 @@ still publish them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,41 +34,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from uniprefill.config import UniPrefillConfig
+from uniprefill.config import UniPrefillConfig, unscored_len
 from uniprefill.vllm import kv_blocks
 from uniprefill.vllm.records import DropStats, RequestTable
-from uniprefill.vllm.stash import StashedChunk, StashStore
-from uniprefill.vllm.step import ExtendedRows, StepContext, query_start
+from uniprefill.vllm.stash import (
+    StashStore,
+    extended_scoring,
+    keep_chunk_keys,
+    stash_chunks,
+    with_stashes,
+)
+from uniprefill.vllm.step import StageWalk, StepPlan, query_start
 
 logger = logging.getLogger("vllm.uniprefill")
-
-# Tokens an earlier chunk keeps in each later stage: its KV and linear-attention state
-# writes there are overwritten by the last chunk. Two, not one: a one-token row would
-# pass for a decode, and vLLM's Mamba metadata wants decodes ahead of prefills.
-PLACEHOLDER_TOKENS = 2
-
-
-def compaction_reserve_bytes(
-    max_tokens: int,
-    max_reqs: int,
-    hidden_size: int,
-    act_bytes: int,
-    num_q_heads: int,
-    last_q: int,
-) -> int:
-    """Device memory a dropping step may need on top of vLLM's dense forward (a bound).
-
-    At a gather point the compacted hidden states and residual are new tensors that
-    live beside the originals until the layer moves on; the selection adds fp32
-    per-key-tile softmax partials (key tiles are >= 64 tokens, queries padded by
-    less than 128) and a few per-token index buffers. vLLM sizes the KV cache from a
-    dense profile run, so this much is held during that run.
-    """
-    copies = 2 * max_tokens * hidden_size * act_bytes
-    tiles = max_tokens // 64 + max_reqs
-    partials = 2 * tiles * num_q_heads * (last_q + 128) * 4
-    indices = max_tokens * (1 + 4 + 8 + 8)  # keep mask, prefix count, gather, composed gather
-    return copies + partials + indices
 
 
 class UniPrefillRuntime:
@@ -97,7 +76,8 @@ class UniPrefillRuntime:
 
             select_fn = select_tokens
         self._select = select_fn
-        self.step: StepContext | None = None
+        self.step: StepPlan | None = None  # the step planned last
+        self.walk: StageWalk | None = None  # its dropping forward, while it runs
         # free_kv_blocks: the block size of the stages' KV-cache groups (set by the
         # model state once the KV cache exists; None: blocks are not freed).
         self.kv_block_size: int | None = None
@@ -129,9 +109,10 @@ class UniPrefillRuntime:
         qlen0: np.ndarray,
         ctx0: np.ndarray,
         may_drop: bool,
-    ) -> StepContext:
+    ) -> StepPlan:
         """Which rows drop this step; ``may_drop=False`` keeps every row whole."""
         cfg = self.config
+        selection = cfg.selection
         slots = np.asarray(slots, dtype=np.int64)
         qlen0 = np.asarray(qlen0, dtype=np.int64)
         ctx0 = np.asarray(ctx0, dtype=np.int64)
@@ -141,12 +122,12 @@ class UniPrefillRuntime:
         prefill_end = prompt + generated  # a recompute also prefills the generated tokens
         end = ctx0 + qlen0
         eligible = (
-            (prompt > cfg.sink + cfg.last_q)
+            selection.scorable(prompt)
             & (prompt >= cfg.min_prompt_len)
             & ~self.table.runs_dense[slots]
         )
-        if cfg.top_p >= 1.0 and cfg.keep_ratio is None:
-            eligible[:] = False  # p = 1 keeps every block: the dense path, exactly
+        if selection.keeps_all:
+            eligible[:] = False
         # Chunks after the first of a prompt whose first chunk opened a stash.
         in_stash = np.zeros(len(slots), dtype=bool)
         if self.stash:  # most steps (every decode step) have no open stash
@@ -172,7 +153,7 @@ class UniPrefillRuntime:
                 stashing[r] = True
             else:
                 self.stats.stash_full += 1
-        self.step = StepContext(
+        self.step = StepPlan(
             req_ids=list(req_ids),
             slots=slots,
             qlen0=qlen0,
@@ -187,10 +168,10 @@ class UniPrefillRuntime:
         )
         return self.step
 
-    def plan_dummy(self, num_reqs: int) -> StepContext:
+    def plan_dummy(self, num_reqs: int) -> StepPlan:
         """A dummy or capture batch: no request of ours, nothing drops."""
         zeros = np.zeros(num_reqs, dtype=np.int64)
-        self.step = StepContext(
+        self.step = StepPlan(
             req_ids=[],
             slots=zeros,
             qlen0=zeros,
@@ -201,6 +182,14 @@ class UniPrefillRuntime:
         return self.step
 
     # ---- the staged forward (model hooks) -----------------------------------------------
+    def begin_walk(self, positions: torch.Tensor) -> StageWalk:
+        """Start the dropping forward of the planned step over its stages."""
+        assert self.step is not None
+        # A copy made in vLLM's inference mode, like the gathered positions of later
+        # segments (and the warm-up's): a compiled segment's guards check the tensor kind.
+        self.walk = StageWalk(self.step, positions.clone(), positions.shape[0])
+        return self.walk
+
     def on_attention_input(
         self,
         layer_idx: int,
@@ -212,35 +201,32 @@ class UniPrefillRuntime:
         scale: float,
     ) -> None:
         """Score the current tokens at a drop layer (its attention still sees all of them)."""
-        step = self.step
-        if step is None or layer_idx not in self.stage_of_drop:
+        walk = self.walk
+        if walk is None or layer_idx not in self.stage_of_drop:
             return
-        cfg = self.config
-        qsl = query_start(step.qlen)
+        plan = walk.plan
+        qsl = query_start(walk.qlen)
         n = int(qsl[-1])
         q = query[:n].view(n, num_heads, head_size)
         k = key[:n].view(n, num_kv_heads, head_size)
-        lens = step.qlen
+        lens = walk.qlen
         if self.stage_of_drop[layer_idx] == 0:
-            if step.stashing.any():
-                self._stash_keys(step, q, k, qsl)
-            if step.stash_len.any():
-                q, k, lens = self._extend_scoring(step, q, k, qsl)
+            if plan.stashing.any():
+                prompt_len = self.table.prompt_len[plan.slots]
+                keep_chunk_keys(walk, q, k, qsl, prompt_len, self.config.last_q)
+            if plan.stash_len.any():
+                q, k, lens = extended_scoring(self.stash, walk, q, k, qsl)
                 qsl = query_start(lens)
-        rows, qsl = self._selection_rows(step, lens, qsl)
+        rows, qsl = self._selection_rows(walk, lens, qsl)
         if not rows.any():
             return
         dev = query.device
-        step.pending = self._select(
+        walk.pending = self._select(
             q,
             k,
             torch.from_numpy(qsl.astype(np.int32)).to(dev, non_blocking=True),
-            top_p=cfg.top_p,
-            block_size=cfg.block_size,
-            last_q=cfg.last_q,
-            sink=cfg.sink,
+            **self.config.selection.kwargs(),
             allow_drop=torch.from_numpy(rows).to(dev, non_blocking=True),
-            keep_ratio=cfg.keep_ratio,
             scale=scale,
             score_allreduce=self.score_allreduce,
         )
@@ -248,24 +234,24 @@ class UniPrefillRuntime:
     def on_gather_point(
         self, layer_idx: int, hidden_states: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """After a drop layer's attention: compact, then give later layers their metadata."""
-        step = self.step
-        if step is None or layer_idx not in self.stage_of_drop:
+        """After a drop layer's attention: compact, and move the walk to the next stage
+        (whose metadata the model then asks for, see :meth:`StageWalk.needs_metadata`)."""
+        walk = self.walk
+        if walk is None or layer_idx not in self.stage_of_drop:
             return hidden_states, residual
-        sel, step.pending = step.pending, None
+        sel, walk.pending = walk.pending, None
         stage = self.stage_of_drop[layer_idx] + 1
-        if stage == 1 and (step.stashing.any() or step.extended is not None):
-            hidden_states, residual = self._gather_chunks(step, sel, hidden_states, residual)
-        elif sel is not None and sel.num_kept < int(step.qlen.sum()):
-            new_qlen = self._kept_lengths(step, sel)
-            self._count(step, stage, step.qlen, new_qlen)
+        if stage == 1 and (walk.plan.stashing.any() or walk.extended is not None):
+            hidden_states, residual = self._gather_chunks(walk, sel, hidden_states, residual)
+        elif sel is not None and sel.num_kept < int(walk.qlen.sum()):
+            new_qlen = self._kept_lengths(walk, sel)
+            self._count(walk, stage, walk.qlen, new_qlen)
             hidden_states, residual = self._compact(
-                step, sel.gather_idx, new_qlen, stage, hidden_states, residual
+                walk, sel.gather_idx, new_qlen, stage, hidden_states, residual
             )
         elif sel is not None:
-            self._count(step, stage, step.qlen, step.qlen)
-        if (step.compacted or step.dropped[:, stage].any()) and step.rebuild is not None:
-            step.rebuild(step, stage, step.qlen, step.later_ctx(stage))
+            self._count(walk, stage, walk.qlen, walk.qlen)
+        walk.stage = stage
         return hidden_states, residual
 
     def finish_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -276,18 +262,18 @@ class UniPrefillRuntime:
         an earlier chunk's placeholders). Stashed tokens have no row of the step's
         input: they land in a spare row that is cut off.
         """
-        step = self.step
-        if step is None or step.kept_at is None:  # kept_at is set by the first compaction
+        walk, self.walk = self.walk, None
+        if walk is None or walk.kept_at is None:  # kept_at is set by the first compaction
             return hidden_states
-        self._record(step)
-        rows = step.num_tokens_padded
+        self._record(walk)
+        rows = walk.num_tokens_padded
         out = hidden_states.new_zeros((rows + 1, *hidden_states.shape[1:]))
-        out.index_copy_(0, step.gather_total.clamp(max=rows), hidden_states)
+        out.index_copy_(0, walk.gather_total.clamp(max=rows), hidden_states)
         return out[:rows]
 
     # ---- internals ------------------------------------------------------------------------
     def _selection_rows(
-        self, step: StepContext, lens: np.ndarray, qsl: np.ndarray
+        self, walk: StageWalk, lens: np.ndarray, qsl: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """Rows the selection scores and their starts.
 
@@ -298,12 +284,12 @@ class UniPrefillRuntime:
         and a recompute scores its prompt with the prompt's own last queries, as its
         first prefill did.
         """
-        cfg = self.config
-        head = np.where(step.droppable, np.minimum(step.protect, lens), 0)
-        tail = np.where(step.droppable, np.minimum(step.tail, lens - head), 0)
-        rows = step.droppable & (lens - head - tail > cfg.sink + cfg.last_q)
+        plan = walk.plan
+        head = np.where(plan.droppable, np.minimum(plan.protect, lens), 0)
+        tail = np.where(plan.droppable, np.minimum(plan.tail, lens - head), 0)
+        rows = plan.droppable & self.config.selection.scorable(lens - head - tail)
         split = rows & ((head > 0) | (tail > 0))
-        step.sub_owner = None
+        walk.sub_owner = None
         if not split.any():
             return rows, qsl
         head, tail = np.where(split, head, 0), np.where(split, tail, 0)
@@ -311,172 +297,70 @@ class UniPrefillRuntime:
         scored = np.stack([np.zeros_like(rows), rows, np.zeros_like(rows)], axis=1)
         present = parts > 0
         present[:, 1] = True  # every row keeps its middle part (a whole unsplit row)
-        step.sub_owner = np.repeat(np.arange(len(lens)), present.sum(axis=1))
+        walk.sub_owner = np.repeat(np.arange(len(lens)), present.sum(axis=1))
         return scored[present], query_start(parts[present])
 
-    def _stash_keys(
-        self, step: StepContext, q: torch.Tensor, k: torch.Tensor, qsl: np.ndarray
-    ) -> None:
-        """Keep this chunk's drop-layer keys (and queries among the prompt's last last_q)."""
-        last_q = self.config.last_q
-        for r in np.flatnonzero(step.stashing):
-            a, b = int(qsl[r]), int(qsl[r + 1])
-            prompt = int(self.table.prompt_len[step.slots[r]])
-            # The scoring queries are the prompt's last last_q tokens; a recompute's
-            # chunk may also hold generated tokens after them.
-            c0 = int(step.ctx0[r])
-            lo = max(c0, prompt - last_q) - c0
-            hi = min(c0 + b - a, prompt) - c0
-            tail = (lo, q[a + lo : a + hi].clone()) if hi > lo else None
-            step.chunk_keys[int(r)] = (k[a:b].clone(), tail)
-
-    def _extend_scoring(
-        self, step: StepContext, q: torch.Tensor, k: torch.Tensor, qsl: np.ndarray
-    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        """q/k of every row, each last chunk's stashed tokens ahead of its own.
-
-        Only a row's last ``last_q`` queries are scored; the other stashed query rows
-        are zeros.
-        """
-        qs: list[torch.Tensor] = []
-        ks: list[torch.Tensor] = []
-        to_source: list[np.ndarray] = []
-        slots: list[int] = []
-        source_off = step.num_tokens_padded
-        for r in range(len(step.qlen)):
-            a, b = int(qsl[r]), int(qsl[r + 1])
-            n_stash = int(step.stash_len[r])
-            if n_stash:
-                stash = self.stash.get(int(step.slots[r]))
-                stash_q = q.new_zeros((n_stash, *q.shape[1:]))
-                offset = 0
-                for c in stash.chunks:
-                    if c.tail_queries is not None:
-                        at = offset + c.tail_offset
-                        stash_q[at : at + c.tail_queries.shape[0]] = c.tail_queries
-                    offset += c.hidden.shape[0]
-                qs.append(stash_q)
-                ks.append(stash.cat("keys"))
-                to_source.append(np.arange(source_off, source_off + n_stash))
-                source_off += n_stash
-                slots.append(int(step.slots[r]))
-            qs.append(q[a:b])
-            ks.append(k[a:b])
-            to_source.append(np.arange(a, b))
-        index = torch.from_numpy(np.concatenate(to_source).astype(np.int64))
-        step.extended = ExtendedRows(index.to(q.device, non_blocking=True), slots)
-        return torch.cat(qs), torch.cat(ks), step.prefill_len
-
     def _gather_chunks(
-        self, step: StepContext, sel: Any, hidden: torch.Tensor, residual: torch.Tensor
+        self, walk: StageWalk, sel: Any, hidden: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first gather point of a step with chunked prompts.
+        """The first gather point of a step with chunked prompts (``stash.py``).
 
         Earlier chunks go into the stash and keep only placeholders; last chunks take
         their kept tokens from the stash and from this step alike.
         """
-        ext = step.extended
-        lens = step.prefill_len  # at the first gather point: this step's tokens + stashes
+        lens = walk.plan.prefill_len  # at the first gather point: step tokens + stashes
         if sel is not None:
-            new_qlen, idx = self._kept_lengths(step, sel), sel.gather_idx
+            new_qlen, idx = self._kept_lengths(walk, sel), sel.gather_idx
         else:
             new_qlen, idx = lens.copy(), None
-        self._count(step, 1, lens, new_qlen)
-        if step.stashing.any():
-            qsl = query_start(step.qlen)
-            assert step.positions is not None
-            for r, (keys, tail) in step.chunk_keys.items():
-                a, b = int(qsl[r]), int(qsl[r + 1])
-                chunk = StashedChunk(
-                    hidden=hidden[a:b].clone(),
-                    residual=residual[a:b].clone(),
-                    positions=step.positions[a:b].clone(),
-                    keys=keys,
-                    tail_queries=tail[1] if tail else None,
-                    tail_offset=tail[0] if tail else 0,
-                )
-                self.stash.get(int(step.slots[r])).chunks.append(chunk)
-            step.chunk_keys = {}
-            # Of a stashing row (kept whole by the selection) keep its last tokens only.
-            keep = np.where(step.stashing, np.minimum(new_qlen, PLACEHOLDER_TOKENS), new_qlen)
-            end = np.cumsum(new_qlen)
-            picks = np.concatenate([np.arange(e - n, e) for e, n in zip(end, keep, strict=True)])
-            pick = torch.from_numpy(picks.astype(np.int64)).to(hidden.device, non_blocking=True)
-            if idx is None:
-                idx = pick
-            else:
-                idx = idx[pick]
-            new_qlen = keep
+        self._count(walk, 1, lens, new_qlen)
+        if walk.plan.stashing.any():
+            idx, new_qlen = stash_chunks(self.stash, walk, hidden, residual, new_qlen, idx)
         assert idx is not None
-        if ext is not None:
-            idx = ext.to_source[idx]
-            stashes = [self.stash.get(slot) for slot in ext.slots]
-            hidden = torch.cat([hidden, *(s.cat("hidden") for s in stashes)])
-            residual = torch.cat([residual, *(s.cat("residual") for s in stashes)])
-            assert step.positions is not None
-            step.positions = torch.cat([step.positions, *(s.cat("positions") for s in stashes)])
-            for slot in ext.slots:
-                self.stash.release(slot)
-            self.stats.chunked_prefills += len(ext.slots)
-        return self._compact(step, idx, new_qlen, 1, hidden, residual)
+        if walk.extended is not None:
+            self.stats.chunked_prefills += len(walk.extended.slots)
+            idx, hidden, residual = with_stashes(self.stash, walk, idx, hidden, residual)
+        return self._compact(walk, idx, new_qlen, 1, hidden, residual)
 
-    def _record(self, step: StepContext) -> None:
-        rows = np.flatnonzero(step.droppable)
-        assert step.kept_at is not None
-        prefill = step.prefill_len[rows]
-        dropped = prefill[:, None] - step.kept_at[rows]
+    def _record(self, walk: StageWalk) -> None:
+        plan, kept_at = walk.plan, walk.kept_at
+        rows = np.flatnonzero(plan.droppable)
+        assert kept_at is not None
+        prefill = plan.prefill_len[rows]
+        dropped = prefill[:, None] - kept_at[rows]
         dropped[:, 0] = 0
-        self.table.record(step.slots[rows], dropped)
+        self.table.record(plan.slots[rows], dropped)
         if self.kv_block_size:
-            self._record_freed(step, rows, dropped)
+            kv_blocks.record_freed(self.table, plan, rows, dropped, self.kv_block_size)
         for r, d, prompt in zip(rows, dropped, prefill, strict=True):
             if d[-1] > 0:
                 self.stats.dropped_prefills += 1
-                shares = ", ".join(f"{k / prompt:.3f}" for k in step.kept_at[r, 1:])
+                shares = ", ".join(f"{k / prompt:.3f}" for k in kept_at[r, 1:])
                 logger.info(
                     "uniprefill: request %s prefill dropped: prompt_tokens=%d kept_share=[%s]",
-                    step.req_ids[r],
+                    plan.req_ids[r],
                     prompt,
                     shares,
                 )
 
-    def _record_freed(self, step: StepContext, rows: np.ndarray, dropped: np.ndarray) -> None:
-        """free_kv_blocks: the ranges each stage no longer needs, for both sides."""
-        bs = self.kv_block_size
-        total = step.ctx0[rows] + step.qlen0[rows]
-        kept = total[:, None] - dropped
-        at = np.zeros_like(dropped)
-        length = np.zeros_like(dropped)
-        for i, r in enumerate(rows):
-            for s in range(1, dropped.shape[1]):
-                first, count = kv_blocks.freed_blocks(int(total[i]), int(kept[i, s]), bs)
-                at[i, s], length[i, s] = first * bs, count * bs
-            if length[i].any():
-                kv_blocks.post(
-                    kv_blocks.KeptRecord(
-                        step.req_ids[r], int(total[i]), tuple(int(k) for k in kept[i, 1:])
-                    )
-                )
-        self.table.record_freed(step.slots[rows], at, length)
-
     def _count(
-        self, step: StepContext, stage: int, seen_qlen: np.ndarray, new_qlen: np.ndarray
+        self, walk: StageWalk, stage: int, seen_qlen: np.ndarray, new_qlen: np.ndarray
     ) -> None:
-        rows = step.droppable
+        rows = walk.plan.droppable
         self.stats.add(stage - 1, int(seen_qlen[rows].sum()), int(new_qlen[rows].sum()))
 
     @staticmethod
-    def _kept_lengths(step: StepContext, sel: Any) -> np.ndarray:
+    def _kept_lengths(walk: StageWalk, sel: Any) -> np.ndarray:
         cu = sel.new_cu_seqlens_cpu
         cu = sel.new_cu_seqlens.cpu() if cu is None else cu  # None only if nothing synced
         kept = np.diff(cu.numpy()).astype(np.int64)
-        if step.sub_owner is None:
+        if walk.sub_owner is None:
             return kept
-        return np.bincount(step.sub_owner, weights=kept, minlength=len(step.qlen)).astype(np.int64)
+        return np.bincount(walk.sub_owner, weights=kept, minlength=len(walk.qlen)).astype(np.int64)
 
     def _compact(
         self,
-        step: StepContext,
+        walk: StageWalk,
         idx: torch.Tensor,
         new_qlen: np.ndarray,
         stage: int,
@@ -485,13 +369,12 @@ class UniPrefillRuntime:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Padding rows (if any) are never in idx: after the first compaction the
         # hidden states hold real tokens only.
-        step.gather_total = idx if step.gather_total is None else step.gather_total[idx]
-        if step.positions is not None:
-            step.positions = step.positions[idx]
-        if step.kept_at is None:
-            step.kept_at = np.repeat(step.qlen0[:, None], self.num_stages, axis=1)
-        step.kept_at[:, stage:] = new_qlen[:, None]
-        step.qlen = new_qlen
+        walk.gather_total = idx if walk.gather_total is None else walk.gather_total[idx]
+        walk.positions = walk.positions[idx]
+        if walk.kept_at is None:
+            walk.kept_at = np.repeat(walk.plan.qlen0[:, None], self.num_stages, axis=1)
+        walk.kept_at[:, stage:] = new_qlen[:, None]
+        walk.qlen = new_qlen
         return hidden[idx], residual[idx]
 
     def warm_up(
@@ -511,12 +394,13 @@ class UniPrefillRuntime:
         variant stall for seconds. Each call holds one droppable prompt and ``R - 1``
         decode rows. Returns the request counts used.
         """
-        cfg = self.config
-        prompt = cfg.sink + cfg.last_q + 4 * cfg.block_size
+        selection = self.config.selection
+        prompt = unscored_len(selection.sink, selection.last_q) + 4 * selection.block_size
         counts = [r for r in (1, 16, 256) if r == 1 or r <= max_num_reqs]
-        modes: list[dict[str, Any]] = [{"top_p": min(cfg.top_p, 0.99), "keep_ratio": None}]
-        if cfg.keep_ratio is not None:
-            modes.append({"top_p": cfg.top_p, "keep_ratio": cfg.keep_ratio})
+        # The top-p variant (at 0.99 when the engine runs p = 1), then the ratio one.
+        modes = [dataclasses.replace(selection, top_p=min(selection.top_p, 0.99), keep_ratio=None)]
+        if selection.keep_ratio is not None:
+            modes.append(selection)
         gen = torch.Generator(device="cpu").manual_seed(0)
         for num_reqs in counts:
             lens = np.array([prompt] + [1] * (num_reqs - 1), dtype=np.int64)
@@ -528,15 +412,6 @@ class UniPrefillRuntime:
             allow[0] = True
             for mode in modes:
                 self._select(
-                    q,
-                    k,
-                    cu,
-                    block_size=cfg.block_size,
-                    last_q=cfg.last_q,
-                    sink=cfg.sink,
-                    allow_drop=allow,
-                    scale=scale,
-                    score_allreduce=None,
-                    **mode,
+                    q, k, cu, **mode.kwargs(), allow_drop=allow, scale=scale, score_allreduce=None
                 )
         return counts

