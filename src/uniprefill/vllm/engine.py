@@ -17,11 +17,15 @@ it. When UniPrefill is on it sets three of vLLM's own options:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from uniprefill.config import UniPrefillConfig, uniprefill_config
 from uniprefill.vllm.families import FAMILIES, ModelFamily, architecture_of, family_for
 from uniprefill.vllm.worker import EXTENSION_CLS
+
+if TYPE_CHECKING:  # vLLM's types, named so a type checker flags a renamed attribute
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger("vllm.uniprefill")
 
@@ -30,7 +34,7 @@ def refuse(what: str, why: str) -> ValueError:
     return ValueError(f"uniprefill: {what} is not supported: {why}")
 
 
-def prepare_engine_args(args: Any) -> UniPrefillConfig | None:
+def prepare_engine_args(args: EngineArgs) -> UniPrefillConfig | None:
     """Check ``EngineArgs`` and set what UniPrefill needs; ``None`` when it is off."""
     cfg = uniprefill_config(args.additional_config)
     if cfg is None:
@@ -67,7 +71,9 @@ def prepare_engine_args(args: Any) -> UniPrefillConfig | None:
     return cfg
 
 
-def check_vllm_config(vllm_config: Any, cfg: UniPrefillConfig, user_hma_off: Any) -> None:
+def check_vllm_config(
+    vllm_config: VllmConfig, cfg: UniPrefillConfig, user_hma_off: bool | None
+) -> None:
     """Check the resolved config; adjust what UniPrefill must (logged)."""
     model_config = vllm_config.model_config
     if model_config.runner_type != "generate":
@@ -120,7 +126,7 @@ def _check_vllm_has(family: ModelFamily, architecture: str) -> None:
         )
 
 
-def _use_scheduler(vllm_config: Any, why: str) -> None:
+def _use_scheduler(vllm_config: VllmConfig, why: str) -> None:
     sched = vllm_config.scheduler_config
     ours = SCHEDULERS[bool(sched.async_scheduling)]
     if sched.scheduler_cls not in (None, *SCHEDULERS.values()):
@@ -132,7 +138,7 @@ def _use_scheduler(vllm_config: Any, why: str) -> None:
     sched.scheduler_cls = ours
 
 
-def _check_free_kv_blocks(vllm_config: Any, family: Any) -> None:
+def _check_free_kv_blocks(vllm_config: VllmConfig, family: ModelFamily) -> None:
     """free_kv_blocks: full attention only, worker in the scheduler's process."""
     model_config = vllm_config.model_config
     if model_config.is_hybrid or family.has_sliding_window(model_config.hf_config):
@@ -159,7 +165,7 @@ SCHEDULERS = {
 }
 
 
-def prefix_caching_unsupported(vllm_config: Any) -> str | None:
+def prefix_caching_unsupported(vllm_config: VllmConfig) -> str | None:
     """Why this model cannot keep vLLM's prefix caching with UniPrefill (None: it can)."""
     if vllm_config.model_config.is_hybrid:
         # vLLM caches a Mamba-style state per block boundary it reaches; after a drop
@@ -171,7 +177,7 @@ def prefix_caching_unsupported(vllm_config: Any) -> str | None:
     return None
 
 
-def _use_publish_cap(vllm_config: Any, cfg: UniPrefillConfig) -> None:
+def _use_publish_cap(vllm_config: VllmConfig, cfg: UniPrefillConfig) -> None:
     """Prefix caching on: only what is dense at every layer may be published."""
     why = prefix_caching_unsupported(vllm_config)
     if why:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,7 +24,7 @@ class StageAttentionSpec(FullAttentionSpec):
     uniprefill_stage: int = 0
 
     @classmethod
-    def merge(cls, specs: list[Any]) -> Any:
+    def merge(cls, specs: list[KVCacheSpec]) -> StageAttentionSpec:
         stages = {getattr(s, "uniprefill_stage", None) for s in specs}
         if len(stages) != 1 or not all(isinstance(s, StageAttentionSpec) for s in specs):
             # vLLM tells mergeable specs apart by this exception (is_kv_cache_spec_uniform).
@@ -33,14 +36,14 @@ class StageAttentionSpec(FullAttentionSpec):
         values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
         return cls(**values, uniprefill_stage=stages.pop())
 
-    def is_uniform_with_collection(self, kv_cache_specs: dict[str, Any]) -> bool:
+    def is_uniform_with_collection(self, kv_cache_specs: dict[str, KVCacheSpec]) -> bool:
         return all(
             isinstance(s, StageAttentionSpec) and s.uniprefill_stage == self.uniprefill_stage
             for s in kv_cache_specs.values()
         )
 
 
-def stage_spec(spec: Any, stage: int) -> StageAttentionSpec:
+def stage_spec(spec: KVCacheSpec, stage: int) -> StageAttentionSpec:
     """``spec`` (a layer's own) as the spec of stage ``stage``; only plain full attention."""
     if type(spec) is not FullAttentionSpec or spec.sliding_window or spec.attention_chunk_size:
         raise ValueError(

@@ -29,7 +29,7 @@ config picks) with this mixin, set as ``scheduler_cls`` (patches.py lists it).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -39,6 +39,10 @@ from uniprefill.config import uniprefill_config
 from uniprefill.vllm import kv_blocks
 from uniprefill.vllm.kv_specs import StageAttentionManager
 from uniprefill.vllm.requests import may_drop
+
+if TYPE_CHECKING:  # vLLM's types, named so a type checker flags a renamed attribute
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+    from vllm.v1.request import Request
 
 # Tokens of a request its KV blocks may be published for (absent: no cap).
 PUBLISH_CAP = "uniprefill_publish_cap"
@@ -68,7 +72,7 @@ class UniPrefillSchedulerMixin:
                     "groups (no drop layers, or this vLLM grouped the layers otherwise)"
                 )
 
-    def add_request(self, request: Any) -> None:
+    def add_request(self, request: Request) -> None:
         cfg = self.uniprefill
         prompt_len = int(request.num_prompt_tokens)
         if cfg is not None and may_drop(cfg, prompt_len, request.sampling_params):
@@ -98,7 +102,7 @@ class UniPrefillSchedulerMixin:
                 kv_blocks.CHANNEL.freed_blocks += manager.free_dropped(rec.req_id, first, count)
 
 
-def _cap_publishing(coordinator: Any) -> None:
+def _cap_publishing(coordinator: KVCacheCoordinator | None) -> None:
     publish = getattr(coordinator, "cache_blocks", None)
     if not callable(publish):
         raise RuntimeError(
@@ -107,7 +111,7 @@ def _cap_publishing(coordinator: Any) -> None:
             "(enable_prefix_caching=False)"
         )
 
-    def cache_blocks(request: Any, num_computed_tokens: int) -> None:
+    def cache_blocks(request: Request, num_computed_tokens: int) -> None:
         cap = getattr(request, PUBLISH_CAP, None)
         if cap is None:
             publish(request, num_computed_tokens)

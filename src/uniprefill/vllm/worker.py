@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from uniprefill.config import UniPrefillConfig
 from uniprefill.vllm import kv_blocks
 from uniprefill.vllm.runtime import UniPrefillRuntime
 from uniprefill.vllm.segments import graphs_compiled
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
 
 logger = logging.getLogger("vllm.uniprefill")
 
@@ -79,7 +84,7 @@ class UniPrefillWorkerExtension:
         return {"config": new.to_dict(), "drop_layers": list(rt.drop_layers)}
 
 
-def tp_allreduce() -> Any:
+def tp_allreduce() -> Callable[[torch.Tensor], None] | None:
     """fp32 SUM of block scores over this rank's tensor-parallel group (None without TP)."""
     from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
 
