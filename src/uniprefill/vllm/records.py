@@ -16,10 +16,23 @@ vLLM removes the request (finished, aborted or preempted).
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+logger = logging.getLogger("vllm.uniprefill")
+
+
+def summary_interval_s() -> float:
+    """Seconds between INFO summaries: vLLM's own stats interval (default 10 s)."""
+    try:
+        return float(os.environ.get("VLLM_LOG_STATS_INTERVAL", "10"))
+    except ValueError:
+        return 10.0
 
 
 @dataclass
@@ -43,6 +56,9 @@ class DropStats:
     prepared_steps: int = 0
     host_prepare_s: float = 0.0
     host_vllm_prepare_s: float = 0.0
+    # log_summary's last time and counters (not counters themselves).
+    summary_at: float | None = field(default=None, init=False, repr=False, compare=False)
+    summary_base: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.seen = [0] * len(self.drop_layers)
@@ -51,6 +67,40 @@ class DropStats:
     def add(self, stage: int, seen: int, kept: int) -> None:
         self.seen[stage] += seen
         self.kept[stage] += kept
+
+    def log_summary(self, now: float | None = None) -> str | None:
+        """Log, at INFO and at most once per :func:`summary_interval_s`, what changed
+        since the last summary, as vLLM logs its throughput; call once per step.
+
+        The per-request "prefill dropped" line is DEBUG: at real request rates one INFO
+        line per request floods the log. A quiet interval logs nothing. Returns the line
+        logged, if any.
+        """
+        now = time.monotonic() if now is None else now
+        if self.summary_at is None:
+            self.summary_at, self.summary_base = now, self.as_dict()
+        elapsed = now - self.summary_at
+        if elapsed < summary_interval_s():
+            return None
+        cur, last = self.as_dict(), self.summary_base
+        self.summary_at, self.summary_base = now, cur
+        d = {k: cur[k] - last[k] for k in cur if isinstance(cur[k], (int, float))}
+        if not (d["dropped_prefills"] or d["chunked_prefills"] or d["stash_full"]):
+            return None
+        seen = [c - p for c, p in zip(cur["seen_tokens"], last["seen_tokens"], strict=True)]
+        kept = [c - p for c, p in zip(cur["kept_tokens"], last["kept_tokens"], strict=True)]
+        # Of the tokens entering the first drop layer, the share alive after each one.
+        shares = ", ".join(f"{k / seen[0]:.3f}" if seen[0] else "-" for k in kept)
+        steps = d["prepared_steps"]
+        host_ms = 1000 * d["host_prepare_s"] / steps if steps else 0.0
+        line = (
+            f"uniprefill: last {elapsed:.1f} s: dropped_prefills={d['dropped_prefills']} "
+            f"kept_share=[{shares}] chunked_prefills={d['chunked_prefills']} "
+            f"stash_full={d['stash_full']} restarted={d['restarted']} steps={steps} "
+            f"host_ms_per_step={host_ms:.2f}"
+        )
+        logger.info("%s", line)
+        return line
 
     def as_dict(self) -> dict[str, object]:
         return {

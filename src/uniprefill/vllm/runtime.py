@@ -336,7 +336,9 @@ class UniPrefillRuntime:
             if d[-1] > 0:
                 self.stats.dropped_prefills += 1
                 shares = ", ".join(f"{k / prompt:.3f}" for k in kept_at[r, 1:])
-                logger.info(
+                # DEBUG: one line per request floods the log at real request rates;
+                # DropStats.log_summary gives the INFO summary.
+                logger.debug(
                     "uniprefill: request %s prefill dropped: prompt_tokens=%d kept_share=[%s]",
                     plan.req_ids[r],
                     prompt,
