@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,10 +27,29 @@ from uniprefill.cpu_memory import default_gib
 from uniprefill.serve import SERVER_MODULE, serve_command, serve_env
 
 # One DEBUG line per prefill that dropped tokens (logger ``vllm.uniprefill``, the worker):
-# the share of the prompt alive after each drop layer, "%.3f". Not at INFO (issue 26).
+# the share of the prompt alive after each drop layer, "%.3f". Not at INFO (issue 26); the
+# server below logs vllm.uniprefill at DEBUG through LOGGING_CONFIG, with the level first.
 DROPPED_LINE = re.compile(
-    r"uniprefill: request (\S+) prefill dropped: prompt_tokens=(\d+) kept_share=\[([0-9., ]+)\]"
+    r"(\w+) vllm.uniprefill uniprefill: request (\S+) prefill dropped: prompt_tokens=(\d+) "
+    r"kept_share=\[([0-9., ]+)\]"
 )
+# vLLM's own logging (INFO) plus vllm.uniprefill at DEBUG (VLLM_LOGGING_CONFIG_PATH).
+LOGGING_CONFIG = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(levelname)s %(name)s %(message)s"}},
+    "handlers": {
+        "out": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain",
+            "stream": "ext://sys.stdout",
+        }
+    },
+    "loggers": {
+        "vllm": {"handlers": ["out"], "level": "INFO", "propagate": False},
+        "vllm.uniprefill": {"level": "DEBUG"},
+    },
+}
 # The INFO summary, at most once per VLLM_LOG_STATS_INTERVAL (records.DropStats.log_summary).
 SUMMARY_LINE = re.compile(
     r"uniprefill: last [0-9.]+ s: dropped_prefills=(\d+) kept_share=\[([-0-9., ]+)\] "
@@ -217,6 +237,9 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):  # type:
     cmd += ["--enforce-eager"]  # torch.compile on 2 CPU cores would add minutes of start-up
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     env["VLLM_LOG_STATS_INTERVAL"] = "1"  # UniPrefill's INFO summary too
+    logging_config = log.with_name("logging.json")
+    logging_config.write_text(json.dumps(LOGGING_CONFIG))
+    env["VLLM_LOGGING_CONFIG_PATH"] = str(logging_config)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the command's own default (conftest sets 1)
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -245,16 +268,21 @@ def test_server_gets_the_cpu_kv_cache_default(server: Server) -> None:
     assert sizes == [float(default_gib())], server.text()[-3000:]
 
 
-def _long_prompt(tiny_llama: Path) -> str:
+def _long_prompt(tiny_llama: Path, seed: int = 0) -> str:
     from transformers import AutoTokenizer
 
     from uniprefill.eval.ruler import make_sample, token_counter
 
     count = token_counter(AutoTokenizer.from_pretrained(str(tiny_llama)))
-    return make_sample("niah_single", 1536, 0, count, seed=0).prompt  # drops at 0.9
+    return make_sample("niah_single", 1536, 0, count, seed=seed).prompt  # drops at 0.9
 
 
 SHORT_PROMPT = "The grass is green. The sky is"  # shorter than sink + last_q: kept
+
+
+def _dropped_lines(text: str, completion_id: str) -> list[re.Match]:
+    # vLLM's internal request id is the completion's id plus a per-choice suffix.
+    return [m for m in DROPPED_LINE.finditer(text) if m.group(2).startswith(completion_id)]
 
 
 def test_serve_end_to_end_on_cpu(server: Server, tiny_llama: Path) -> None:
@@ -270,8 +298,18 @@ def test_serve_end_to_end_on_cpu(server: Server, tiny_llama: Path) -> None:
     n_prompt = long.usage.prompt_tokens
     assert 1400 <= n_prompt <= 1536
 
-    # No INFO line per request (the summary is checked at the end of the module).
-    assert not DROPPED_LINE.search(server.text())
+    # The dropped prefill is reported, once, at DEBUG, with the prompt's length; the short
+    # one is not (the INFO summary is checked at the end of the module).
+    text = server.text()
+    found = _dropped_lines(text, long.id)
+    assert found, "no 'prefill dropped' line in the server log:\n" + text[-3000:]
+    (m,) = found
+    assert m.group(1) == "DEBUG"
+    assert int(m.group(3)) == long.usage.prompt_tokens
+    shares = [float(x) for x in m.group(4).split(",")]
+    assert len(shares) == 4  # tiny Llama, 6 layers: drop layers 1, 2, 3, 4
+    assert shares == sorted(shares, reverse=True) and 0.0 < shares[-1] < 1.0
+    assert not _dropped_lines(text, short.id)
 
 
 def test_tiny_model_serves_chat_completions(server: Server) -> None:
@@ -366,6 +404,47 @@ def test_sampled_requests_keep_the_server_alive(server: Server, tiny_llama: Path
     after = client.completions.create(model=model, prompt=SHORT_PROMPT, max_tokens=3, temperature=0)
     assert after.choices[0].text == greedy.choices[0].text
     assert server.health() == 200
+
+
+def test_per_request_settings_through_vllm_xargs(server: Server, tiny_llama: Path) -> None:
+    """A request turns UniPrefill off or sets its own min_prompt_len (vLLM's per-request
+    extension, ``vllm_xargs``); a bad value is a 400 naming the field."""
+    import openai
+
+    client = server.client()
+
+    def complete(xargs: dict, seed: int = 1) -> Any:
+        return client.completions.create(
+            model="llama",
+            prompt=_long_prompt(tiny_llama, seed),
+            max_tokens=2,
+            temperature=0,
+            extra_body={"vllm_xargs": xargs},
+        )
+
+    # Dropping requests first: a dense one publishes its prompt to vLLM's prefix cache,
+    # and a later prompt sharing its head (the same haystack) would start from it dense.
+    cases = [
+        ({}, True),
+        ({"uniprefill_min_prompt_len": 0}, True),
+        ({"uniprefill_enabled": False}, False),
+        ({"uniprefill_min_prompt_len": 100000}, False),
+    ]
+    outs = [(complete(x, seed=10 + i), drops) for i, (x, drops) in enumerate(cases)]
+    text = server.text()
+    for (out, drops), (xargs, _) in zip(outs, cases, strict=True):
+        assert len(_dropped_lines(text, out.id)) == int(drops), xargs
+
+    for xargs, field in [
+        ({"uniprefill_min_prompt_len": -1}, "uniprefill_min_prompt_len"),
+        ({"uniprefill_enabled": "maybe"}, "uniprefill_enabled"),
+        ({"uniprefill_top_p": 0.5}, "uniprefill_top_p"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as err:
+            complete(xargs)
+        assert field in str(err.value)
+    assert server.health() == 200
+    assert complete({}).usage.completion_tokens >= 1
 
 
 def test_ctrl_c_stops_the_server(server: Server) -> None:

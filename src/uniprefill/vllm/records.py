@@ -127,6 +127,8 @@ class RequestTable:
         self.slot_of: dict[str, int] = {}
         self.prompt_len = np.zeros(max_num_reqs, dtype=np.int64)
         self.runs_dense = np.zeros(max_num_reqs, dtype=bool)
+        # The request's own min_prompt_len (SamplingParams.extra_args); -1: the engine's.
+        self.min_prompt_len = np.full(max_num_reqs, -1, dtype=np.int64)
         # Prompt tokens vLLM's prefix cache held when the request arrived: dense at every
         # layer, never scored; the prefill starts after them.
         self.start = np.zeros(max_num_reqs, dtype=np.int64)
@@ -159,6 +161,7 @@ class RequestTable:
         self.slot_of[req_id] = slot
         self.prompt_len[slot] = prompt_len
         self.runs_dense[slot] = runs_dense
+        self.min_prompt_len[slot] = -1
         self.start[slot] = start
         self.generated[slot] = generated
         self._clear(slot)

@@ -8,6 +8,45 @@ from __future__ import annotations
 
 from typing import Any
 
+# Per-request settings: flat keys of vLLM's per-request extension,
+# ``SamplingParams.extra_args`` (the OpenAI server's ``vllm_xargs``, whose values are
+# flat: str, int, float or list).
+ENABLED_KEY = "uniprefill_enabled"
+MIN_PROMPT_LEN_KEY = "uniprefill_min_prompt_len"
+TOP_P_KEY = "uniprefill_top_p"
+
+
+def request_settings(sampling_params: Any) -> dict[str, Any]:
+    """The request's own UniPrefill settings from ``extra_args`` (``{}``: the engine's).
+
+    ``uniprefill_enabled``: true/false (or 1/0): false runs this request dense.
+    ``uniprefill_min_prompt_len``: an integer >= 0 replacing the engine's
+    ``min_prompt_len`` for this request. Raises ``ValueError`` naming the field and its
+    allowed values; the front end turns it into a 400 before the request is admitted.
+    """
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    out: dict[str, Any] = {}
+    if ENABLED_KEY in extra:
+        value = extra[ENABLED_KEY]
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        if value not in (True, False) or isinstance(value, float):  # 1/0 are allowed
+            raise ValueError(f"{ENABLED_KEY} must be true or false, got {value!r}")
+        out["enabled"] = bool(value)
+    if MIN_PROMPT_LEN_KEY in extra:
+        value = extra[MIN_PROMPT_LEN_KEY]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{MIN_PROMPT_LEN_KEY} must be an integer >= 0, got {value!r}")
+        out["min_prompt_len"] = value
+    if TOP_P_KEY in extra:
+        # The selection runs one top_p for the whole step (ops.select_tokens takes a
+        # scalar); a per-row top_p is not built yet. Refused, never silently ignored.
+        raise ValueError(
+            f"{TOP_P_KEY}: a per-request top_p is not supported yet; "
+            f"use {ENABLED_KEY} or {MIN_PROMPT_LEN_KEY}"
+        )
+    return out
+
 
 def runs_dense(sampling_params: Any) -> bool:
     """True when a new request must run dense: nothing of its prompt is ever dropped.
@@ -41,6 +80,8 @@ def runs_dense(sampling_params: Any) -> bool:
     """
     if sampling_params is None:
         return False
+    if _settings_or_dense(sampling_params).get("enabled") is False:
+        return True  # the request turned UniPrefill off (extra_args)
     if getattr(sampling_params, "prompt_logprobs", None) is not None:
         return True
     return (
@@ -58,6 +99,20 @@ def may_drop(config: Any, prompt_len: int, sampling_params: Any) -> bool:
     """
     return (
         not runs_dense(sampling_params)
-        and prompt_len >= config.min_prompt_len
+        and prompt_len >= min_prompt_len(config, sampling_params)
         and config.selection.scorable(prompt_len)
     )
+
+
+def min_prompt_len(config: Any, sampling_params: Any) -> int:
+    """The request's ``min_prompt_len``: its own (extra_args), else the engine's."""
+    return int(_settings_or_dense(sampling_params).get("min_prompt_len", config.min_prompt_len))
+
+
+def _settings_or_dense(sampling_params: Any) -> dict[str, Any]:
+    # Past the front end's check a bad value cannot arrive; should one (a direct engine
+    # client), the request runs dense rather than failing the engine step.
+    try:
+        return request_settings(sampling_params)
+    except ValueError:
+        return {"enabled": False}

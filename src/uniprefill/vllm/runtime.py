@@ -121,11 +121,10 @@ class UniPrefillRuntime:
         generated = self.table.generated[slots]
         prefill_end = prompt + generated  # a recompute also prefills the generated tokens
         end = ctx0 + qlen0
-        eligible = (
-            selection.scorable(prompt)
-            & (prompt >= cfg.min_prompt_len)
-            & ~self.table.runs_dense[slots]
-        )
+        # A request's own min_prompt_len (extra_args) replaces the engine's.
+        min_len = self.table.min_prompt_len[slots]
+        min_len = np.where(min_len >= 0, min_len, cfg.min_prompt_len)
+        eligible = selection.scorable(prompt) & (prompt >= min_len) & ~self.table.runs_dense[slots]
         if selection.keeps_all:
             eligible[:] = False
         # Chunks after the first of a prompt whose first chunk opened a stash.
