@@ -692,6 +692,15 @@ FAMILIES: tuple[ModelFamily, ...] = (
             num_layers=6,
             test_drop_layers=(2,),
             layer_pattern=(SLIDING, SLIDING, FULL),
+            # Plain vLLM 0.27.1 fails on any Gemma 4 config before UniPrefill runs.
+            cpu_unavailable=MappingProxyType(
+                {
+                    "0.27": "vLLM 0.27.1 reads the text config's global head_dim, which "
+                    "transformers 5.19 refuses on Gemma 4's per-layer config "
+                    "(AmbiguousGlobalPerLayerAttributeError in ModelConfig, plain vLLM); "
+                    "vLLM 0.32's Gemma 4 config convertor reads the per-layer config"
+                }
+            ),
             # Global layers as in the larger Gemma 4 checkpoints: their own head dim (512
             # beside 256 there), their own KV heads, keys reused as values (k_eq_v).
             config=_frozen(
