@@ -159,3 +159,18 @@ def test_cpu_unavailable_families_really_are():
         for arch in family.architectures:
             with pytest.raises(ImportError, match="torchvision"):
                 classes.model_class(arch)
+
+
+def test_a_family_whose_vllm_module_is_missing_is_refused_alone():
+    pytest.importorskip("vllm")
+    from dataclasses import replace
+
+    from uniprefill.vllm.engine import _check_vllm_has
+
+    qwen2 = family_named("qwen2")
+    _check_vllm_has(qwen2, "Qwen2ForCausalLM")  # present
+    missing = replace(
+        qwen2, architectures={"Qwen9ForCausalLM": "vllm.model_executor.models.qwen9:Q"}
+    )
+    with pytest.raises(ValueError, match=r"Qwen9ForCausalLM \(qwen2 family\) needs vLLM's module"):
+        _check_vllm_has(missing, "Qwen9ForCausalLM")
