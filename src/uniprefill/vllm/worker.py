@@ -96,6 +96,9 @@ def tp_allreduce() -> Callable[[torch.Tensor], None] | None:
 
 
 def log_start(model: Any, rt: UniPrefillRuntime) -> None:
+    from uniprefill.vllm.metrics import publish_from_worker
+
+    publish_from_worker(rt.stats, model.uniprefill_vllm_config)  # for a server's /metrics
     logger.info(
         "uniprefill: %s, drop layers %s, %s",
         model.family.family,
