@@ -1,13 +1,13 @@
-"""Kept share per drop layer at several top_p values, one engine, JSON after every prompt.
+"""Kept share per drop layer at several top_p values, one engine, JSON after every request.
 
-    HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=1 OMP_NUM_THREADS=1 \
+    HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=1 OMP_NUM_THREADS=1 \
         taskset -c 1 python benchmarks/accuracy/kept_shares.py MODEL_DIR --json OUT.json
 
 What ``uniprefill calibrate`` measures about the model's attention, without its accuracy
 part: each prompt is prefilled once per top_p (prompt-major, switching the setting in the
 running engine between requests, so a run cut short still has every value on the same
-prompts), one output token each, no dense pass. After every prompt the JSON is rewritten
-with the per-prompt counters and the kept share per drop layer so far (kept / seen at
+prompts), one output token each, no dense pass. After every request the JSON is rewritten
+with the per-request counters and the kept share per drop layer so far (kept / seen at
 that layer, summed over the prompts) and the share of the prompt left after the last one.
 """
 
@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=1, help="per task")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--first-prompt", type=int, default=0, help="skip the prompts before this index (resume)"
+    )
     args = ap.parse_args()
 
     # UniPrefill needs vLLM's V2 runner; without a Triton CPU backend its bookkeeping
@@ -88,6 +91,8 @@ def main() -> None:
     try:
         llm.generate(["warm-up " * 64], one, use_tqdm=False)
         for i, p in enumerate(prompts):
+            if i < args.first_prompt:
+                continue
             for top_p in top_ps:
                 switch_config(llm, {"top_p": top_p})
                 before, tb = read_stats(llm), time.perf_counter()
@@ -114,11 +119,12 @@ def main() -> None:
                     ),
                     flush=True,
                 )
-            result["summary"] = {
-                str(tp): _summed([r for r in result["rows"] if r["top_p"] == tp]) for tp in top_ps
-            }
-            result["elapsed_seconds"] = round(time.perf_counter() - t0, 1)
-            args.json.write_text(json.dumps(result, indent=1) + "\n")
+                done = [tp for tp in top_ps if any(r["top_p"] == tp for r in result["rows"])]
+                result["summary"] = {
+                    str(tp): _summed([r for r in result["rows"] if r["top_p"] == tp]) for tp in done
+                }
+                result["elapsed_seconds"] = round(time.perf_counter() - t0, 1)
+                args.json.write_text(json.dumps(result, indent=1) + "\n")
     finally:
         stop_engine(llm)
 
