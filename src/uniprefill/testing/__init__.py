@@ -8,8 +8,8 @@ from uniprefill.testing.tiny_models import (
     cached_tiny_model,
     greedy_tokens,
     random_prompt,
-    test_drop_layers,
     tiny_config,
+    tiny_drop_layers,
     vllm_kwargs,
 )
 
@@ -21,7 +21,7 @@ __all__ = [
     "cached_tiny_model",
     "greedy_tokens",
     "random_prompt",
-    "test_drop_layers",
     "tiny_config",
+    "tiny_drop_layers",
     "vllm_kwargs",
 ]

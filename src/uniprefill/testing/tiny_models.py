@@ -149,7 +149,7 @@ def vllm_kwargs(arch: Arch) -> dict[str, Any]:
     return dict(_family(arch).tiny.vllm_kwargs)
 
 
-def test_drop_layers(arch: Arch) -> list[int]:
+def tiny_drop_layers(arch: Arch) -> list[int]:
     """The drop layers the tests use on the tiny ``arch`` model."""
     return list(_family(arch).tiny.test_drop_layers)
 
