@@ -145,7 +145,7 @@ def test_serve_refuses_bad_or_clashing_config(
         (["serve", "/m", "--top-p", "1.5"], "top_p must be a number in (0, 1], got 1.5"),
         (["serve", "/m", "--additional-config", "{x"], "--additional-config is not valid JSON"),
         (["serve", "/m", "--top-p", "x"], "argument --top-p: invalid float value: 'x'"),
-        (["calibrate", "llama", "--top-p", "0.9,1.5"], "top_p must be a number in (0, 1]"),
+        (["calibrate", "llama", "--top-p", "0.9,1.5"], "top_p must be a number in (0, 1], got 1.5"),
         (["demo", "--block-size", "3"], "block_size must be a power of two >= 1, got 3"),
         (["eval", "llama", "--sink", "-1"], "sink must be an integer >= 0, got -1"),
     ],
@@ -165,6 +165,14 @@ def test_bad_values_fail_in_one_line_before_vllm_starts(argv: list[str], message
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert lines[0].startswith(f"uniprefill {argv[0]}: error: ")
+
+
+def test_good_values_pass_the_early_check() -> None:
+    # calibrate's --top-p is a list: a valid one was refused as a whole (2026-12-06).
+    from uniprefill.cli import build_parser, check_method_config
+
+    for argv in (["calibrate", "llama", "--top-p", "0.95,0.99"], ["serve", "/m", "--top-p", "0.9"]):
+        check_method_config(build_parser().parse_args(argv))
 
 
 def _free_port() -> int:

@@ -78,8 +78,8 @@ def check_method_config(args: argparse.Namespace) -> None:
     from uniprefill.config import UniPrefillConfig
 
     cfg = method_config(args)
-    if args.command == "calibrate":
-        for p in args.top_p or []:
+    if args.command == "calibrate":  # --top-p is a list there: check each value
+        for p in cfg.pop("top_p", []):
             UniPrefillConfig.from_dict({**cfg, "top_p": p})
     UniPrefillConfig.from_dict(cfg)
 
@@ -274,6 +274,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         llm_kwargs["dtype"] = args.dtype
     if args.max_model_len:
         llm_kwargs["max_model_len"] = args.max_model_len
+
+    def write_json(result: dict[str, Any]) -> None:  # after every pass, then at the end
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+
     result = run_calibration(
         args.model,
         top_ps=args.top_p or DEFAULT_TOP_PS,
@@ -289,11 +294,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         strict=args.strict,
         predict_lengths=args.predict_lengths,
         progress=not args.no_progress,
+        on_pass=write_json if args.json else None,
     )
     print(format_calibration(result))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        write_json(result)
         print(f"wrote {args.json}")
     if args.plot:
         if plot_ok:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -148,8 +148,12 @@ def run_calibration(
     predict_lengths: Sequence[int] = DEFAULT_PREDICT_LENGTHS,
     progress: bool = True,
     log: TextIO | None = None,
+    on_pass: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the grid and return the calibration (what ``--json`` writes)."""
+    """Run the grid and return the calibration (what ``--json`` writes).
+
+    ``on_pass`` gets the calibration of the values done so far after each top_p pass,
+    so a long run that is cut off keeps what it measured."""
     from transformers import AutoTokenizer
 
     from uniprefill.testing import ARCHS
@@ -185,6 +189,32 @@ def run_calibration(
     passes = [1.0, *top_ps]
     runs: dict[float, EngineRun] = {}
     notes: list[str] = []
+
+    def calibration(done: Sequence[float]) -> dict[str, Any]:
+        import vllm
+
+        result = _summarize(
+            str(model), info, prompts, runs, done, budget, strict, list(predict_lengths)
+        )
+        result.update(
+            model_path=str(path),
+            date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            vllm_version=vllm.__version__,
+            uniprefill_config=base,
+            llm_kwargs=kw,
+            prompts={
+                "source": str(prompts_file) if prompts_file else "ruler-style suite",
+                "tasks": sorted({p.task for p in prompts}),
+                "lengths": sorted({p.length for p in prompts}),
+                "samples_per_task": None if prompts_file else samples,
+                "seed": None if prompts_file else seed,
+                "count": len(prompts),
+            },
+        )
+        result["warnings"] = notes + result["warnings"]
+        result["complete"] = len(done) == len(top_ps)  # False: a pass-by-pass write
+        return result
+
     llm = None
     try:
         for i, p in enumerate(passes):
@@ -197,33 +227,13 @@ def run_calibration(
             runs[p] = generate(
                 llm, texts, budgets, progress=progress, desc=_label(p), warmup=(i == 0)
             )
+            if on_pass is not None and i > 0:
+                on_pass(calibration(passes[1 : i + 1]))
     finally:
         if llm is not None:
             stop_engine(llm)
             del llm
-
-    import vllm
-
-    result = _summarize(
-        str(model), info, prompts, runs, top_ps, budget, strict, list(predict_lengths)
-    )
-    result.update(
-        model_path=str(path),
-        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        vllm_version=vllm.__version__,
-        uniprefill_config=base,
-        llm_kwargs=kw,
-        prompts={
-            "source": str(prompts_file) if prompts_file else "ruler-style suite",
-            "tasks": sorted({p.task for p in prompts}),
-            "lengths": sorted({p.length for p in prompts}),
-            "samples_per_task": None if prompts_file else samples,
-            "seed": None if prompts_file else seed,
-            "count": len(prompts),
-        },
-    )
-    result["warnings"] = notes + result["warnings"]
-    return result
+    return calibration(top_ps)
 
 
 def _score(prompt: Prompt, output: str, dense_output: str) -> float:
