@@ -130,19 +130,26 @@ def batch_prompts(length: int, conc: int, seed: int) -> list[dict[str, Any]]:
 
 
 # ---- modes: how a benchmark names the plugin's selection settings ----------------------------
-_MODE = re.compile(r"^(dense|topp(0?\.\d+|1(\.0*)?)|keep(0?\.\d+|1(\.0*)?))$")
+_RATIO = r"(0?\.\d+|1(\.0*)?)"
+_MODE = re.compile(rf"^(dense|topp{_RATIO}|keep{_RATIO}(/{_RATIO})*)$")
 
 
 def mode_options(mode: str) -> dict[str, Any]:
     """The uniprefill options of a mode name: ``dense`` (top_p 1, the plugin's dense
-    path), ``topp<P>`` (top_p P) or ``keep<R>`` (keep_ratio R, top_p 0.99)."""
+    path), ``topp<P>`` (top_p P), ``keep<R>`` (keep_ratio R, top_p 0.99), or
+    ``keep<R1>/<R2>/...`` (one keep ratio per drop layer: a replay of the kept shares a
+    trained model measured, e.g. ``keep0.91/0.84/0.69/0.91/0.92/0.92``)."""
     if not _MODE.match(mode):
-        raise ValueError(f"bad mode {mode!r}: use dense, topp<P> (topp0.99) or keep<R> (keep0.3)")
+        raise ValueError(
+            f"bad mode {mode!r}: use dense, topp<P> (topp0.99), keep<R> (keep0.3) or "
+            "keep<R1>/<R2>/... (one ratio per drop layer)"
+        )
     if mode == "dense":
         return {"top_p": 1.0, "keep_ratio": None}
     if mode.startswith("topp"):
         return {"top_p": float(mode[4:]), "keep_ratio": None}
-    return {"top_p": 0.99, "keep_ratio": float(mode[4:])}
+    ratios = [float(r) for r in mode[4:].split("/")]
+    return {"top_p": 0.99, "keep_ratio": ratios[0] if len(ratios) == 1 else ratios}
 
 
 def close_llm(llm: Any) -> None:

@@ -154,6 +154,28 @@ def test_dropping_happens_in_small_tests() -> None:
     assert sel.num_kept < int(cu[-1])
 
 
+def test_row_top_p_equals_each_request_alone() -> None:
+    # Per-request top_p (issue 26): each row of one batch selects as it would alone with
+    # its own top_p; a row at 1.0 keeps everything, exactly.
+    lens, row_top_p = [300, 1, 140, 200, 77], [0.5, 0.9, 1.0, 0.95, 0.3]
+    q, k, cu = make_batch(lens, 4, 2, 8, seed=5, sharp=3.0)
+    kw = dict(block_size=8, last_q=4, sink=4, impl="reference")
+    rows = torch.tensor(row_top_p, dtype=torch.float64)
+    sel = select_tokens(q, k, cu, top_p=1.0, row_top_p=rows, **kw)
+    check_consistent(sel, cu)
+    bounds = cu.tolist()
+    for b, p in enumerate(row_top_p):
+        a, e = bounds[b], bounds[b + 1]
+        alone = select_tokens(q[a:e], k[a:e], torch.tensor([0, e - a]), top_p=p, **kw)
+        assert sel.keep[a:e].tolist() == alone.keep.tolist(), (b, p)
+    assert bool(sel.keep[bounds[2] : bounds[3]].all())  # the row at 1.0
+    assert sel.num_kept < sum(lens)
+    with pytest.raises(ValueError, match="row_top_p and keep_ratio cannot be combined"):
+        select_tokens(q, k, cu, row_top_p=rows, keep_ratio=0.5, **kw)
+    with pytest.raises(ValueError, match=r"row_top_p must be None or a float64 tensor \[5\]"):
+        select_tokens(q, k, cu, row_top_p=rows.float(), **kw)
+
+
 def test_top_p_one_keeps_everything() -> None:
     q, k, cu = make_batch([300, 1, 77], 4, 2, 8, seed=3, sharp=10.0)
     sel = select_tokens(q, k, cu, top_p=1.0, block_size=8, last_q=4, sink=4)

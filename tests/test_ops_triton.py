@@ -105,8 +105,9 @@ def test_half_inputs_match_reference(dtype: torch.dtype) -> None:
         dict(top_p=0.7, block_size=4, last_q=8, sink=8, allow_drop=[True, False, True, True]),
         dict(top_p=0.8, block_size=256, last_q=8, sink=4),  # block > key tile: torch path
         dict(top_p=0.6, block_size=1, last_q=4, sink=2),
+        dict(top_p=1.0, block_size=8, last_q=8, sink=4, row_top_p=[0.5, 1.0, 0.9, 0.7]),
     ],
-    ids=["top_p", "keep_ratio", "allow_drop", "block256", "block1"],
+    ids=["top_p", "keep_ratio", "allow_drop", "block256", "block1", "row_top_p"],
 )
 def test_selection_matches_reference(kw: dict) -> None:
     from uniprefill.ops import select_tokens
@@ -115,6 +116,8 @@ def test_selection_matches_reference(kw: dict) -> None:
     kw = dict(kw)
     if "allow_drop" in kw:
         kw["allow_drop"] = torch.tensor(kw["allow_drop"], device=DEVICE)
+    if "row_top_p" in kw:  # each request's own top_p (issue 26)
+        kw["row_top_p"] = torch.tensor(kw["row_top_p"], dtype=torch.float64, device=DEVICE)
     got = select_tokens(q, k, cu, impl="triton", **kw)
     ref = select_tokens(q, k, cu, impl="reference", **kw)
     torch.testing.assert_close(got.block_scores, ref.block_scores, rtol=1e-4, atol=1e-5)

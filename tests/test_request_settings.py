@@ -1,7 +1,7 @@
 """Per-request UniPrefill settings through vLLM's per-request extension
 (``SamplingParams.extra_args``; the OpenAI server's ``vllm_xargs``), issue 26.
 
-A request may turn UniPrefill off or set its own ``min_prompt_len``, within a batch of
+A request may turn UniPrefill off or set its own ``min_prompt_len`` and ``top_p``, within a batch of
 requests with other settings; a bad value is refused before admission and nothing else
 changes. The server side (400 with the field's name) is in tests/test_serve.py.
 """
@@ -30,13 +30,19 @@ def test_settings_parse_and_validate() -> None:
     assert request_settings(_sp(uniprefill_enabled="true")) == {"enabled": True}
     assert request_settings(_sp(uniprefill_enabled=0)) == {"enabled": False}
     assert request_settings(_sp(uniprefill_min_prompt_len=7)) == {"min_prompt_len": 7}
+    assert request_settings(_sp(uniprefill_top_p=0.5)) == {"top_p": 0.5}
+    assert request_settings(_sp(uniprefill_top_p=1)) == {"top_p": 1.0}
+    assert request_settings(_sp(uniprefill_top_p="0.95")) == {"top_p": 0.95}  # --vllm-xargs
     assert request_settings(_sp(other_plugin=1)) == {}  # other keys are not ours
     bad = [
         ({"uniprefill_enabled": "maybe"}, "uniprefill_enabled must be true or false"),
         ({"uniprefill_enabled": 0.5}, "uniprefill_enabled must be true or false"),
         ({"uniprefill_min_prompt_len": -1}, "uniprefill_min_prompt_len must be an integer >= 0"),
         ({"uniprefill_min_prompt_len": 1.5}, "uniprefill_min_prompt_len must be an integer >= 0"),
-        ({"uniprefill_top_p": 0.9}, "uniprefill_top_p: a per-request top_p is not supported"),
+        ({"uniprefill_top_p": 0}, r"uniprefill_top_p must be a number in \(0, 1\], got 0"),
+        ({"uniprefill_top_p": 1.5}, r"uniprefill_top_p must be a number in \(0, 1\]"),
+        ({"uniprefill_top_p": True}, r"uniprefill_top_p must be a number in \(0, 1\]"),
+        ({"uniprefill_top_p": "high"}, r"uniprefill_top_p must be a number in \(0, 1\]"),
     ]
     for extra, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -95,22 +101,30 @@ def test_mixed_settings_in_one_batch_match_each_request_alone(llm: Any) -> None:
     def sp(**extra: Any) -> Any:
         return vllm.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, extra_args=extra)
 
+    drop = {"uniprefill_min_prompt_len": 0}
     settings = [
         {},  # the engine's min_prompt_len (4000): dense
-        {"uniprefill_min_prompt_len": 0},  # drops
-        {"uniprefill_min_prompt_len": 0, "uniprefill_enabled": False},  # off: dense
+        drop,  # drops at the engine's top_p (0.9)
+        {**drop, "uniprefill_enabled": False},  # off: dense
         {"uniprefill_min_prompt_len": 1000},  # drops
+        {**drop, "uniprefill_top_p": 1.0},  # its own top_p 1.0: dense
+        {**drop, "uniprefill_top_p": 0.3},  # its own top_p: keeps less than at 0.9
     ]
-    dropping = [False, True, False, True]
+    dropping = [False, True, False, True, False, True]
     prompts = _prompts(len(settings))
+    prompts[5] = prompts[1]  # the same prompt at 0.9 and at 0.3
     before = collect(llm)
     batch = llm.generate(prompts, [sp(**s) for s in settings], use_tqdm=False)
     assert since(before, collect(llm))["dropped_prefills"] == sum(dropping)
+    kept = []
     for prompt, s, out, drops in zip(prompts, settings, batch, dropping, strict=True):
         before = collect(llm)
         (alone,) = llm.generate([prompt], sp(**s), use_tqdm=False)
-        assert since(before, collect(llm))["dropped_prefills"] == int(drops), s
+        delta = since(before, collect(llm))
+        assert delta["dropped_prefills"] == int(drops), s
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids, s
+        kept.append(delta["kept_tokens"])
+    assert sum(kept[5]) < sum(kept[1]), kept  # the request's top_p took effect
 
 
 def test_a_bad_value_is_refused_and_the_engine_goes_on(llm: Any) -> None:

@@ -494,6 +494,8 @@ def test_per_request_settings_through_vllm_xargs(server: Server, tiny_llama: Pat
         ({"uniprefill_min_prompt_len": 0}, True),
         ({"uniprefill_enabled": False}, False),
         ({"uniprefill_min_prompt_len": 100000}, False),
+        ({"uniprefill_top_p": 1.0}, False),
+        ({"uniprefill_top_p": 0.5}, True),
     ]
     outs = [(complete(x, seed=10 + i), drops) for i, (x, drops) in enumerate(cases)]
     text = server.text()
@@ -503,7 +505,7 @@ def test_per_request_settings_through_vllm_xargs(server: Server, tiny_llama: Pat
     for xargs, field in [
         ({"uniprefill_min_prompt_len": -1}, "uniprefill_min_prompt_len"),
         ({"uniprefill_enabled": "maybe"}, "uniprefill_enabled"),
-        ({"uniprefill_top_p": 0.5}, "uniprefill_top_p"),
+        ({"uniprefill_top_p": 1.5}, "uniprefill_top_p"),
     ]:
         with pytest.raises(openai.BadRequestError) as err:
             complete(xargs)

@@ -184,6 +184,29 @@ def test_segmented_forward_without_drops_equals_dense(
     assert sum(stats["seen_tokens"]) > 0 and stats["kept_tokens"] == stats["seen_tokens"]
 
 
+def test_keep_ratio_per_drop_layer_replays_shares(
+    arch_model: tuple[str, Path], undropped_llm: Any
+) -> None:
+    """A list of keep ratios, one per drop layer (the replay of a trained model's kept
+    shares, issue 25): each layer keeps its own share of what reaches it. Run on the
+    tiny Llama only: the mode is the operator's, the same for every family."""
+    arch, _ = arch_model
+    if arch != "llama":
+        pytest.skip("per-layer keep ratios are family-independent: checked on llama")
+    ratios = [1.0, 0.25]  # its drop layers 1 and 3: all of layer 1's, a quarter at 3
+    assert len(DROP_LAYERS[arch]) == len(ratios)
+    llm = undropped_llm
+    before = collect(llm)
+    with _configured(llm, {"keep_ratio": ratios}):
+        llm.generate(_prompts(), _greedy())
+    stats = since(before, collect(llm))
+    for ratio, seen, kept in zip(ratios, stats["seen_tokens"], stats["kept_tokens"], strict=True):
+        assert seen > 0
+        assert (kept == seen) if ratio == 1.0 else (kept < 0.6 * seen), stats
+    with pytest.raises(Exception, match="keep_ratio has 1 values but the schedule has"):
+        llm.collective_rpc(CONFIGURE_METHOD, args=({"keep_ratio": [0.5]},))
+
+
 def _drop_cfg(arch: str) -> dict[str, Any]:
     """The settings of dropping_llm, which the chunked and preemption tests repeat."""
     return {"top_p": 0.9, "drop_layers": DROP_LAYERS[arch], **SMALL}

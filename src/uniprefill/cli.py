@@ -18,6 +18,11 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _ratios(text: str) -> float | list[float]:
+    values = [float(x) for x in text.split(",") if x.strip()]
+    return values[0] if len(values) == 1 else values
+
+
 def _lengths(text: str) -> list[int]:
     # Accept 4096 or 4k / 4K.
     out = []
@@ -42,7 +47,10 @@ def _add_method_args(p: argparse.ArgumentParser, *, top_p: bool = True) -> None:
     g.add_argument("--drop-layers", type=_ints, help="comma-separated 0-based layer indices")
     if top_p:
         g.add_argument(
-            "--keep-ratio", type=float, help="keep this share of blocks instead of top-p"
+            "--keep-ratio",
+            type=_ratios,
+            help="keep this share of blocks instead of top-p (benchmarks); a comma-separated "
+            "list gives one share per drop layer",
         )
 
 

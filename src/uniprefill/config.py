@@ -99,7 +99,8 @@ class UniPrefillConfig:
     ``drop_layers`` are 0-based decoder-layer indices, each a full-attention
     layer; ``None`` means the model family's default schedule. ``keep_ratio``
     replaces top-p by "keep this fraction of blocks" (benchmarking only: it
-    makes speed independent of what random weights attend to).
+    makes speed independent of what random weights attend to); a list gives one
+    fraction per drop layer, to replay the kept shares a trained model measured.
     ``max_stash_tokens`` bounds the tokens of prompts prefilled in chunks that wait
     for their last chunk (about 18 KB per token on a Llama-8B shape); a prompt that
     does not fit when it starts runs dense. ``dense_prefix_tokens``: the first tokens
@@ -117,7 +118,7 @@ class UniPrefillConfig:
     last_q: int = DEFAULT_LAST_Q
     sink: int = DEFAULT_SINK
     drop_layers: tuple[int, ...] | None = None
-    keep_ratio: float | None = None
+    keep_ratio: float | tuple[float, ...] | None = None
     min_prompt_len: int = 0
     # Tokens of chunked prompts held between their chunks (None: max_model_len; 0:
     # chunked prompts run dense).
@@ -133,10 +134,18 @@ class UniPrefillConfig:
 
     def __post_init__(self) -> None:
         # Validates the selection settings; kept beside the fields (not one of them).
-        selection = SelectionParams(
-            self.top_p, self.block_size, self.last_q, self.sink, self.keep_ratio
+        ratios = self.keep_ratio
+        if isinstance(ratios, (list, tuple)):
+            if not ratios:
+                raise ValueError("keep_ratio must be a number or a non-empty list, got []")
+            ratios = tuple(ratios)
+            object.__setattr__(self, "keep_ratio", ratios)
+        per_layer = ratios if isinstance(ratios, tuple) else (ratios,)
+        stages = tuple(
+            SelectionParams(self.top_p, self.block_size, self.last_q, self.sink, r)
+            for r in per_layer
         )
-        object.__setattr__(self, "_selection", selection)
+        object.__setattr__(self, "_stages", stages)
         for name in ("min_prompt_len", "dense_prefix_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -168,8 +177,21 @@ class UniPrefillConfig:
     @property
     def selection(self) -> SelectionParams:
         """The selection settings (``top_p``, ``block_size``, ``last_q``, ``sink``,
-        ``keep_ratio``) as one value."""
-        return self._selection  # type: ignore[attr-defined]
+        ``keep_ratio``) as one value (the first drop layer's, with a list of ratios)."""
+        return self._stages[0]  # type: ignore[attr-defined]
+
+    def selection_at(self, drop_index: int) -> SelectionParams:
+        """The selection settings of the ``drop_index``-th drop layer."""
+        stages = self._stages  # type: ignore[attr-defined]
+        return stages[drop_index] if len(stages) > 1 else stages[0]
+
+    def check_schedule(self, drop_layers: Sequence[int]) -> None:
+        """A list of keep ratios needs one per drop layer (``ValueError`` otherwise)."""
+        if isinstance(self.keep_ratio, tuple) and len(self.keep_ratio) != len(drop_layers):
+            raise ValueError(
+                f"keep_ratio has {len(self.keep_ratio)} values but the schedule has "
+                f"{len(drop_layers)} drop layers {list(drop_layers)}: give one per drop layer"
+            )
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> UniPrefillConfig:
@@ -192,8 +214,9 @@ class UniPrefillConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        if out["drop_layers"] is not None:
-            out["drop_layers"] = list(out["drop_layers"])
+        for name in ("drop_layers", "keep_ratio"):
+            if isinstance(out[name], tuple):
+                out[name] = list(out[name])
         return out
 
 

@@ -200,10 +200,12 @@ def _keep_blocks(
     block_scores: torch.Tensor,
     boff: torch.Tensor,
     *,
-    top_p: float,
+    top_p: float | torch.Tensor,
     keep_ratio: float | None,
 ) -> torch.Tensor:
     """bool [slots]: per-request top-p (or top-ratio) blocks, via one segmented sort.
+
+    ``top_p`` is one value for every request, or a float64 ``[B]`` (a request's own).
 
     Order within a request: score descending, ties by lower block index (two
     stable sorts: by score, then by request).  Cumulative masses are fp64
@@ -229,7 +231,7 @@ def _keep_blocks(
         norm = x[perm] / total[req_c].clamp_min(torch.finfo(torch.float64).tiny)
         csum = _prefix(norm)
         before = csum[:-1] - csum[boff[req_c]]
-        keep_sorted = before <= top_p
+        keep_sorted = before <= (top_p[req_c] if isinstance(top_p, torch.Tensor) else top_p)
     keep_sorted = keep_sorted & (req_sorted < num_req)
     keep = torch.empty_like(keep_sorted)
     keep[perm] = keep_sorted
@@ -281,7 +283,7 @@ def select_from_block_scores(
     cu_seqlens: torch.Tensor,
     *,
     num_tokens: int,
-    top_p: float,
+    top_p: float | torch.Tensor,
     block_size: int,
     last_q: int,
     sink: int,
@@ -289,6 +291,9 @@ def select_from_block_scores(
     keep_ratio: float | None = None,
 ) -> Selection:
     """Token selection from fp32 flat block scores (already summed over all heads/ranks).
+
+    ``top_p``: one value, or a float64 ``[B]`` of each request's own (rows at 1.0 must
+    come with ``allow_drop`` False: :func:`select_tokens` sees to it).
 
     Keep block if the normalised mass of the request's higher-ranked blocks is
     <= ``top_p`` (the top block is always kept), or, with ``keep_ratio``, if it

@@ -71,6 +71,23 @@ def _check_tensors(
             raise ValueError(f"allow_drop must be None or a bool tensor [{nreq}] on {q.device}")
 
 
+def _check_row_top_p(
+    row_top_p: torch.Tensor, cu_seqlens: torch.Tensor, keep_ratio: float | None
+) -> None:
+    """Shape, dtype and device of the per-row top_p (its values are the caller's: the
+    request settings check them on admission; reading them here would sync)."""
+    nreq = cu_seqlens.numel() - 1
+    if (
+        not isinstance(row_top_p, torch.Tensor)
+        or row_top_p.dtype != torch.float64
+        or tuple(row_top_p.shape) != (nreq,)
+        or row_top_p.device != cu_seqlens.device
+    ):
+        raise ValueError(f"row_top_p must be None or a float64 tensor [{nreq}] on the q device")
+    if keep_ratio is not None:
+        raise ValueError("row_top_p and keep_ratio cannot be combined (keep_ratio keeps a share)")
+
+
 def _check_cu_values(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
     """Value checks on cu_seqlens (host syncs; reference path or debug flag only)."""
     cu = cu_seqlens.tolist()
@@ -103,6 +120,7 @@ def select_tokens(
     sink: int = DEFAULT_SINK,
     allow_drop: torch.Tensor | None = None,
     keep_ratio: float | None = None,
+    row_top_p: torch.Tensor | None = None,
     scale: float | None = None,
     score_allreduce: Callable[[torch.Tensor], None] | None = None,
     impl: str = "auto",
@@ -130,6 +148,9 @@ def select_tokens(
             (decode rows of length 1 included).
         keep_ratio: benchmark mode: instead of top-p keep the
             ``ceil(keep_ratio * num_blocks)`` best blocks of each droppable row.
+        row_top_p: optional float64 ``[B]``, each request's own top_p in (0, 1]
+            (per-request settings), used instead of ``top_p``; a row at 1.0 keeps
+            every token, exactly. Not with ``keep_ratio``.
         scale: softmax scale, default ``1 / sqrt(D)``.
         score_allreduce: tensor parallelism: called once with the fp32 flat
             block scores, must sum them in place over the TP group (see
@@ -165,6 +186,11 @@ def select_tokens(
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if score_allreduce is not None and not callable(score_allreduce):
         raise ValueError("score_allreduce must be None or a callable")
+    if row_top_p is not None:
+        _check_row_top_p(row_top_p, cu_seqlens, keep_ratio)
+        # A row at 1.0 keeps everything exactly: not scored at all (device-side, no sync).
+        below_one = row_top_p < 1.0
+        allow_drop = below_one if allow_drop is None else allow_drop & below_one
 
     if impl == "auto":
         # The interpreter (TRITON_INTERPRET=1, e.g. on CPU test machines) runs Triton
@@ -176,7 +202,7 @@ def select_tokens(
     num_tokens = q.shape[0]
     if impl == "reference" or _DEBUG:
         _check_cu_values(cu_seqlens, num_tokens)
-    if params.keeps_all:
+    if params.keeps_all and row_top_p is None:
         return keep_all(cu_seqlens, num_tokens)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -191,7 +217,7 @@ def select_tokens(
             q,
             k,
             cu_seqlens,
-            top_p=top_p,
+            top_p=top_p if row_top_p is None else row_top_p,
             block_size=block_size,
             last_q=last_q,
             sink=sink,
@@ -210,7 +236,7 @@ def select_tokens(
         scores,
         cu_seqlens,
         num_tokens=num_tokens,
-        top_p=top_p,
+        top_p=top_p if row_top_p is None else row_top_p,
         block_size=block_size,
         last_q=last_q,
         sink=sink,

@@ -362,9 +362,11 @@ def _select_kernel(
     boff_ptr,
     drop_ptr,
     bkeep_ptr,
+    top_p_ptr,
     top_p_bits,
     ratio_bits,
     USE_RATIO: tl.constexpr,
+    ROW_TOP_P: tl.constexpr,
     BI: tl.constexpr,
     BJ: tl.constexpr,
 ):
@@ -404,7 +406,10 @@ def _select_kernel(
     else:
         tot = tl.sum(total, 0)
         frac = tl.where(tot > 0, before / tot, 0.0)
-        keep = frac <= top_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        if ROW_TOP_P:  # the request's own top_p (float64 [B])
+            keep = frac <= tl.load(top_p_ptr + b)
+        else:
+            keep = frac <= top_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
     tl.store(bkeep_ptr + b0 + li, keep.to(tl.int8), mask=imask)
 
 
@@ -606,7 +611,7 @@ def select_tokens_triton(
     k: torch.Tensor,
     cu_seqlens: torch.Tensor,
     *,
-    top_p: float,
+    top_p: float | torch.Tensor,
     block_size: int,
     last_q: int,
     sink: int,
@@ -615,10 +620,13 @@ def select_tokens_triton(
     scale: float,
     score_allreduce: Callable[[torch.Tensor], None] | None,
 ) -> Selection:
-    """Fused scoring + selection; one host sync (the kept-token count). Arguments validated."""
+    """Fused scoring + selection; one host sync (the kept-token count). Arguments validated.
+
+    ``top_p``: one value, or a float64 ``[B]`` with each request's own."""
     num_tokens = q.shape[0]
     num_req = cu_seqlens.numel() - 1
     dev = q.device
+    row_top_p = isinstance(top_p, torch.Tensor)
     _, block_n, _, _ = _config(q.shape[-1], last_q)
     lay = _layout(
         cu_seqlens,
@@ -642,9 +650,11 @@ def select_tokens_triton(
         lay[2],
         lay[3],
         bkeep,
-        _f64_bits(top_p),
+        top_p if row_top_p else scores,  # a pointer the kernel reads only with ROW_TOP_P
+        0 if row_top_p else _f64_bits(top_p),
         _f64_bits(keep_ratio or 1.0),
         USE_RATIO=keep_ratio is not None,
+        ROW_TOP_P=row_top_p,
         BI=bi,
         BJ=128,
         num_warps=4,

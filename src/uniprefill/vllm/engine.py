@@ -80,7 +80,7 @@ def check_vllm_config(
         raise ValueError("uniprefill: only generative models are supported (runner='generate')")
     family = family_for(model_config.architectures)
     _check_vllm_has(family, architecture_of(family, model_config.architectures))
-    family.resolve_drop_layers(model_config.hf_config, cfg.drop_layers)
+    cfg.check_schedule(family.resolve_drop_layers(model_config.hf_config, cfg.drop_layers))
     if not getattr(vllm_config, "use_v2_model_runner", True):
         raise ValueError(
             "uniprefill runs on vLLM's model runner V2; this configuration selects V1 "

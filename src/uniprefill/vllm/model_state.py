@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from uniprefill.vllm import kv_blocks, versions
-from uniprefill.vllm.requests import min_prompt_len, runs_dense
+from uniprefill.vllm.requests import min_prompt_len, request_top_p, runs_dense
 from uniprefill.vllm.runtime import UniPrefillRuntime
 from uniprefill.vllm.stages import StageBatch, StageGroups, check_batch_fields, slot_mapping
 from uniprefill.vllm.stages import split_groups as split_stage_groups
@@ -180,6 +180,7 @@ class UniPrefillStateMixin:
         )
         # The request's own min_prompt_len (extra_args), else the engine's.
         rt.table.min_prompt_len[req_index] = min_prompt_len(rt.config, new_req_data.sampling_params)
+        rt.table.top_p[req_index] = request_top_p(new_req_data.sampling_params)
         rt.stats.restarted += int(generated > 0)
 
     def remove_request(self, req_id: str) -> None:

@@ -114,10 +114,17 @@ def _patch_request_validation() -> None:
         ):
             from vllm.exceptions import VLLMValidationError
 
-            from uniprefill.vllm.requests import request_settings
+            from uniprefill.vllm.requests import TOP_P_KEY, request_settings
 
             try:
-                request_settings(params)
+                settings = request_settings(params)
+                engine = uniprefill_config(config.additional_config)
+                if "top_p" in settings and engine is not None and engine.keep_ratio is not None:
+                    raise ValueError(
+                        f"{TOP_P_KEY}: this engine keeps a forced keep_ratio "
+                        f"({engine.keep_ratio}, a benchmark mode); a request's top_p needs "
+                        "an engine in top_p mode"
+                    )
             except ValueError as exc:
                 field = str(exc).split(" ", 1)[0].rstrip(":")
                 raise VLLMValidationError(str(exc), parameter=field) from None

@@ -164,6 +164,8 @@ class RequestTable:
         self.runs_dense = np.zeros(max_num_reqs, dtype=bool)
         # The request's own min_prompt_len (SamplingParams.extra_args); -1: the engine's.
         self.min_prompt_len = np.full(max_num_reqs, -1, dtype=np.int64)
+        # The request's own top_p (extra_args); NaN: the engine's.
+        self.top_p = np.full(max_num_reqs, np.nan, dtype=np.float64)
         # Prompt tokens vLLM's prefix cache held when the request arrived: dense at every
         # layer, never scored; the prefill starts after them.
         self.start = np.zeros(max_num_reqs, dtype=np.int64)
@@ -197,6 +199,7 @@ class RequestTable:
         self.prompt_len[slot] = prompt_len
         self.runs_dense[slot] = runs_dense
         self.min_prompt_len[slot] = -1
+        self.top_p[slot] = np.nan
         self.start[slot] = start
         self.generated[slot] = generated
         self._clear(slot)

@@ -21,8 +21,11 @@ def request_settings(sampling_params: Any) -> dict[str, Any]:
 
     ``uniprefill_enabled``: true/false (or 1/0): false runs this request dense.
     ``uniprefill_min_prompt_len``: an integer >= 0 replacing the engine's
-    ``min_prompt_len`` for this request. Raises ``ValueError`` naming the field and its
-    allowed values; the front end turns it into a 400 before the request is admitted.
+    ``min_prompt_len`` for this request.
+    ``uniprefill_top_p``: a number in (0, 1] replacing the engine's ``top_p`` for this
+    request (1.0: dense); not on an engine with a forced ``keep_ratio``.
+    Raises ``ValueError`` naming the field and its allowed values; the front end turns
+    it into a 400 before the request is admitted.
     """
     extra = getattr(sampling_params, "extra_args", None) or {}
     out: dict[str, Any] = {}
@@ -39,12 +42,15 @@ def request_settings(sampling_params: Any) -> dict[str, Any]:
             raise ValueError(f"{MIN_PROMPT_LEN_KEY} must be an integer >= 0, got {value!r}")
         out["min_prompt_len"] = value
     if TOP_P_KEY in extra:
-        # The selection runs one top_p for the whole step (ops.select_tokens takes a
-        # scalar); a per-row top_p is not built yet. Refused, never silently ignored.
-        raise ValueError(
-            f"{TOP_P_KEY}: a per-request top_p is not supported yet; "
-            f"use {ENABLED_KEY} or {MIN_PROMPT_LEN_KEY}"
-        )
+        value = extra[TOP_P_KEY]
+        if isinstance(value, str):  # vllm_xargs from a command line arrive as text
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError(f"{TOP_P_KEY} must be a number in (0, 1], got {value!r}")
+        out["top_p"] = float(value)
     return out
 
 
@@ -102,6 +108,11 @@ def may_drop(config: Any, prompt_len: int, sampling_params: Any) -> bool:
         and prompt_len >= min_prompt_len(config, sampling_params)
         and config.selection.scorable(prompt_len)
     )
+
+
+def request_top_p(sampling_params: Any) -> float:
+    """The request's own top_p (extra_args), NaN where it has none (the engine's)."""
+    return float(_settings_or_dense(sampling_params).get("top_p", float("nan")))
 
 
 def min_prompt_len(config: Any, sampling_params: Any) -> int:

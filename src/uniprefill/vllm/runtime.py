@@ -125,8 +125,16 @@ class UniPrefillRuntime:
         min_len = self.table.min_prompt_len[slots]
         min_len = np.where(min_len >= 0, min_len, cfg.min_prompt_len)
         eligible = selection.scorable(prompt) & (prompt >= min_len) & ~self.table.runs_dense[slots]
-        if selection.keeps_all:
-            eligible[:] = False
+        # A request's own top_p (extra_args) replaces the engine's; at 1.0 it runs dense.
+        # None when no row has its own: the selection then takes the engine's scalar.
+        top_p = None
+        if selection.keep_ratio is None:
+            own = self.table.top_p[slots]
+            if not np.isnan(own).all():
+                top_p = np.where(np.isnan(own), selection.top_p, own)
+                eligible &= top_p < 1.0
+            elif selection.keeps_all:
+                eligible[:] = False
         # Chunks after the first of a prompt whose first chunk opened a stash.
         in_stash = np.zeros(len(slots), dtype=bool)
         if self.stash:  # most steps (every decode step) have no open stash
@@ -164,6 +172,7 @@ class UniPrefillRuntime:
             start=start,
             protect=np.maximum(0, cfg.dense_prefix_tokens - start),
             tail=generated,
+            top_p=top_p,
         )
         return self.step
 
@@ -220,12 +229,18 @@ class UniPrefillRuntime:
         if not rows.any():
             return
         dev = query.device
+        row_top_p = None
+        if plan.top_p is not None:  # requests with their own top_p in this step
+            owner = walk.sub_owner
+            own = plan.top_p if owner is None else plan.top_p[owner]
+            row_top_p = torch.from_numpy(own).to(dev, non_blocking=True)
         walk.pending = self._select(
             q,
             k,
             torch.from_numpy(qsl.astype(np.int32)).to(dev, non_blocking=True),
-            **self.config.selection.kwargs(),
+            **self.config.selection_at(self.stage_of_drop[layer_idx]).kwargs(),
             allow_drop=torch.from_numpy(rows).to(dev, non_blocking=True),
+            row_top_p=row_top_p,
             scale=scale,
             score_allreduce=self.score_allreduce,
         )

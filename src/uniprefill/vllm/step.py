@@ -45,6 +45,9 @@ class StepPlan:
     # Per row the tokens at the end of its selection set that are never dropped: what a
     # request recomputed after a preemption had generated (0 for a first prefill).
     tail: np.ndarray | None = None
+    # Per row its top_p where a request of the step has its own (extra_args), else None:
+    # the engine's top_p for every row.
+    top_p: np.ndarray | None = None
     # Layer name -> slot mapping to put into the forward context before the forward
     # (decode rows of compacted requests write K/V at their compacted offsets); the
     # model state fills it while it prepares the step.

@@ -69,6 +69,7 @@ class UniPrefillWorkerExtension:
                 f"drop_layers {list(new.drop_layers)} differ from the engine's "
                 f"{list(rt.drop_layers)}; they are fixed at start-up"
             )
+        new.check_schedule(rt.drop_layers)
         if new.free_kv_blocks != rt.config.free_kv_blocks:
             raise ValueError(
                 "free_kv_blocks is fixed at start-up (it decides the KV cache's groups)"

@@ -54,6 +54,7 @@ class UniPrefillModel:
             return
         hf_config = vllm_config.model_config.hf_config
         self.drop_layers = self.family.resolve_drop_layers(hf_config, cfg.drop_layers)
+        cfg.check_schedule(self.drop_layers)
         self._dropping = False
         self._max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         mst = cfg.max_stash_tokens
