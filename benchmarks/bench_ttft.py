@@ -14,7 +14,9 @@ the *mode* is then switched between batches inside that engine's worker:
 * ``keep<R>``: keep ``ceil(R * blocks)`` best blocks of each prompt at *each*
   drop layer (the share alive compounds over the schedule; the kept share per
   drop layer is reported), which makes speed independent of what random weights
-  attend to.
+  attend to;
+* ``keep<R1>/<R2>/...``: one keep ratio per drop layer: the replay of the kept shares a
+  trained model measured at its own top_p (docs/accuracy.md), on its shape.
 
 Each point is one ``llm.generate`` call with ``concurrency`` prompts of exactly
 ``length`` random token ids, ``max_tokens=1``. TTFT per request comes from

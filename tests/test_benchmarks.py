@@ -53,3 +53,17 @@ def test_bench_serving_smoke(tmp_path: Path):
         assert stats["segment_graphs_compiled"] == len(stats["drop_layers"]) + 1
     assert doc["results"]["prefill"]["uniprefill keep0.5"]["stats"]["chunked_prefills"] > 0
     assert "| prefill | uniprefill keep0.5 |" in proc.stdout
+
+
+def test_mode_names() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import mode_options
+
+    assert mode_options("dense") == {"top_p": 1.0, "keep_ratio": None}
+    assert mode_options("topp0.99") == {"top_p": 0.99, "keep_ratio": None}
+    assert mode_options("keep0.5") == {"top_p": 0.99, "keep_ratio": 0.5}
+    # The replay of a trained model's kept shares: one ratio per drop layer.
+    assert mode_options("keep0.91/0.84/1") == {"top_p": 0.99, "keep_ratio": [0.91, 0.84, 1.0]}
+    for bad in ("keep", "keep0.5/", "keep/0.5", "topp0.9/0.8", "keep1.5"):
+        with pytest.raises(ValueError, match="bad mode"):
+            mode_options(bad)
