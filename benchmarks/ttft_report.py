@@ -17,7 +17,8 @@ def point_order(p: dict[str, Any]) -> tuple:
     """Table order: model, concurrency, length, then dense, top-p, keep ratios high to low."""
     mode = p.get("mode", "")
     rank = {"dense": 0, "dense_compiled": 1}.get(mode, 2 if mode.startswith("topp") else 3)
-    ratio = -float(mode[4:]) if mode.startswith("keep") else 0.0
+    # keep<R>, or keep<R1>/<R2>/... (one ratio per drop layer: ordered by the first)
+    ratio = -float(mode[4:].split("/")[0]) if mode.startswith("keep") else 0.0
     return (p["model"], p["concurrency"], p["length"], rank, ratio)
 
 
