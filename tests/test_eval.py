@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from uniprefill.eval.ruler import TASKS, generate_suite, make_sample, string_match_all
+from uniprefill.eval.ruler import ALL_TASKS, TASKS, generate_suite, make_sample, string_match_all
 from uniprefill.eval.runner import format_table, kept_summary, stats_delta
 
 
@@ -26,7 +27,7 @@ def tiny_counter(tiny_llama: Path):
     return token_counter(AutoTokenizer.from_pretrained(str(tiny_llama)))
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", ALL_TASKS)
 def test_deterministic_from_seed(task: str) -> None:
     a = make_sample(task, 600, 0, _whitespace_counter, seed=5)
     b = make_sample(task, 600, 0, _whitespace_counter, seed=5)
@@ -36,13 +37,29 @@ def test_deterministic_from_seed(task: str) -> None:
     assert a.prompt != c.prompt and a.prompt != d.prompt
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", ALL_TASKS)
 @pytest.mark.parametrize("length", [512, 2048, 8192])
 def test_lengths_and_answers(task: str, length: int, tiny_counter) -> None:
     s = make_sample(task, length, 0, tiny_counter, seed=0)
     assert s.n_tokens == tiny_counter(s.prompt)
     assert 0.97 * length <= s.n_tokens <= length
     assert s.answers and all(a in s.prompt for a in s.answers)
+
+
+def test_prose_tasks_hide_their_facts_in_real_text(tiny_counter) -> None:
+    one = make_sample("prose_fact", 2048, 0, tiny_counter, seed=1)
+    two = make_sample("prose_2hop", 2048, 0, tiny_counter, seed=1)
+    # The asked fact and three distractors.
+    assert len(re.findall(r"The access code of the \w+ archive is \d{7}\.", one.prompt)) == 4
+    assert two.prompt.count(" keeps the access code ") == 4
+    # The asked keeper fact comes first, its code fact later (each at the paragraph break
+    # after a depth drawn from the first and the second half).
+    asked = two.prompt.rsplit("keeper of the ", 1)[1].split(" archive")[0]
+    keeper = two.prompt.split(f"The keeper of the {asked} archive is ")[1].split(".")[0]
+    at_keeper = two.prompt.index(f"The keeper of the {asked} archive is")
+    at_code = two.prompt.index(f"{keeper} keeps the access code {two.answers[0]}")
+    assert at_keeper < at_code
+    assert "The grass is green." not in one.prompt + two.prompt  # no filler
 
 
 def test_answers_per_task(tiny_counter) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from uniprefill.eval.ruler import TASKS
+from uniprefill.eval.ruler import ALL_TASKS, TASKS
 from uniprefill.vllm.families import FAMILY_NAMES
 
 
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         "eval", help="RULER-style accuracy, dense vs UniPrefill on the same prompts"
     )
     ev.add_argument("model", help=f"model directory, or a tiny arch: {', '.join(FAMILY_NAMES)}")
-    ev.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated from {TASKS}")
+    ev.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated from {ALL_TASKS}")
     ev.add_argument("--lengths", type=_lengths, default=[1024], help="e.g. 4k,8k,16384")
     ev.add_argument("--samples", type=int, default=2, help="samples per task and length")
     ev.add_argument("--seed", type=int, default=0)
@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         help='JSONL of {"prompt": ..., "answers": [...]} instead of the suite '
         "(no answers: scored by equality with the dense output)",
     )
-    cal.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated from {TASKS}")
+    cal.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated from {ALL_TASKS}")
     cal.add_argument("--lengths", type=_lengths, help="default 4k (tiny arch: 1k)")
     cal.add_argument("--samples", type=int, help="per task and length (default 4; tiny: 1)")
     cal.add_argument("--seed", type=int, default=0)

@@ -30,8 +30,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from uniprefill.eval import speedup
+from uniprefill.eval.prose import source as prose_source
 from uniprefill.eval.report import PairedSample, summarize
-from uniprefill.eval.ruler import TASKS, generate_suite, string_match_all, token_counter
+from uniprefill.eval.ruler import (
+    PROSE_TASKS,
+    TASKS,
+    generate_suite,
+    string_match_all,
+    token_counter,
+)
 from uniprefill.eval.runner import (
     DEFAULT_MAX_NEW_TOKENS,
     EngineRun,
@@ -209,6 +216,7 @@ def run_calibration(
                 "samples_per_task": None if prompts_file else samples,
                 "seed": None if prompts_file else seed,
                 "count": len(prompts),
+                "prose": prose_source() if set(tasks) & set(PROSE_TASKS) else None,
             },
         )
         result["warnings"] = notes + result["warnings"]

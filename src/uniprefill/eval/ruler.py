@@ -2,8 +2,10 @@
 
 Five tasks after RULER (Hsieh et al., 2024): single-key needle retrieval, multi-key
 needle (distractor keys), multi-value needle (all values of one key), variable tracking
-(assignment chains), common-word extraction. Each sample is padded with filler to a
-target length counted with the model's own tokenizer, so "4K" means 4K model tokens.
+(assignment chains), common-word extraction. Two more hide their facts in real prose
+instead of filler (:data:`PROSE_TASKS`, from :mod:`uniprefill.eval.prose`): one fact
+among distractors, and a two-hop question whose two facts sit apart. Each sample is
+padded to a target length counted with the model's own tokenizer, so "4K" means 4K model tokens.
 Scoring is RULER's string match: the fraction of expected strings found in the output.
 """
 
@@ -15,6 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 TASKS: tuple[str, ...] = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
+# Real text instead of filler: facts hidden in prose (issue 25), reported apart from the
+# synthetic suite. ``prose_2hop`` needs two facts that sit apart in the text.
+PROSE_TASKS: tuple[str, ...] = ("prose_fact", "prose_2hop")
+ALL_TASKS: tuple[str, ...] = TASKS + PROSE_TASKS
 
 TokenCounter = Callable[[str], int]
 
@@ -232,8 +238,12 @@ def make_sample(task: str, target_len: int, index: int, count: TokenCounter, see
         render, answers = _vt(rng)
     elif task == "cwe":
         render, answers = _cwe(rng, target_len)
+    elif task in PROSE_TASKS:
+        from uniprefill.eval.prose import prose_task
+
+        render, answers = prose_task(rng, hops=2 if task == "prose_2hop" else 1)
     else:
-        raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
+        raise ValueError(f"unknown task {task!r}; choose from {ALL_TASKS}")
     prompt = _fit(render, count, target_len, task)
     return Sample(task, target_len, index, prompt, tuple(answers), count(prompt))
 
@@ -248,8 +258,8 @@ def generate_suite(
     """All samples for every (task, length), ordered by length then task then index."""
     tasks, lengths = list(tasks), list(lengths)
     for t in tasks:
-        if t not in TASKS:
-            raise ValueError(f"unknown task {t!r}; choose from {TASKS}")
+        if t not in ALL_TASKS:
+            raise ValueError(f"unknown task {t!r}; choose from {ALL_TASKS}")
     return [
         make_sample(t, n, i, count, seed)
         for n in lengths

@@ -25,6 +25,8 @@ DEFAULT_MAX_NEW_TOKENS = {
     "niah_multivalue": 64,
     "vt": 40,
     "cwe": 64,
+    "prose_fact": 24,
+    "prose_2hop": 32,
 }
 
 
