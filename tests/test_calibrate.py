@@ -94,6 +94,7 @@ def test_calibrate_tiny_llama_end_to_end(tmp_path: Path, capfd: pytest.CaptureFi
     result = json.loads(out_json.read_text())
 
     assert [c["top_p"] for c in result["configs"]] == list(DEFAULT_TOP_PS)
+    assert result["complete"]  # written after every pass too, incomplete until the last
     assert result["family"] == "llama" and result["num_layers"] == 6
     assert result["prompts"]["count"] == 5  # one 1K prompt per task
     for c in result["configs"]:
