@@ -6,21 +6,24 @@
 What ``uniprefill calibrate`` measures about the model's attention, without its accuracy
 part: each prompt is prefilled once per top_p (prompt-major, switching the setting in the
 running engine between requests, so a run cut short still has every value on the same
-prompts), one output token each, no dense pass. After every request the JSON is rewritten
-with the per-request counters and the kept share per drop layer so far (kept / seen at
-that layer, summed over the prompts) and the share of the prompt left after the last one.
+prompts), one output token each, no dense pass unless 1.0 is among the values (then
+also the CPU TTFT ratio against it, ``ttft_ratio_vs_dense``). After every request the
+JSON is rewritten with the per-request counters and the kept share per drop layer so
+far (kept / seen at that layer, summed over the prompts) and the share of the prompt
+left after the last one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from uniprefill.eval.calibrate import DEFAULT_TOP_PS, suite_prompts, switch_config
-from uniprefill.eval.ruler import TASKS, token_counter
+from uniprefill.eval.ruler import ALL_TASKS, TASKS, token_counter
 from uniprefill.eval.runner import (
     kept_summary,
     read_stats,
@@ -40,12 +43,28 @@ def _summed(rows: list[dict]) -> dict:
     return {"prompts": len(rows), "kept_tokens": kept, "seen_tokens": seen, **out}
 
 
+def _ttft_ratios(rows: list[dict], top_ps: list[float]) -> dict:
+    """Per top_p, the median over prompts of dense seconds / seconds at that top_p (one
+    output token: the prefill), on the prompts measured at both."""
+    dense = {r["prompt"]: r["seconds"] for r in rows if r["top_p"] == 1.0}
+    out = {}
+    for tp in top_ps:
+        ratios = [
+            dense[r["prompt"]] / r["seconds"]
+            for r in rows
+            if r["top_p"] == tp and r["prompt"] in dense and r["seconds"] > 0
+        ]
+        if tp < 1.0 and ratios:
+            out[str(tp)] = {"median": statistics.median(ratios), "prompts": len(ratios)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir", type=Path)
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--top-p", default=",".join(map(str, DEFAULT_TOP_PS)))
-    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--tasks", default=",".join(TASKS), help=f"from {ALL_TASKS}")
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--samples", type=int, default=1, help="per task")
     ap.add_argument("--seed", type=int, default=0)
@@ -123,6 +142,8 @@ def main() -> None:
                 result["summary"] = {
                     str(tp): _summed([r for r in result["rows"] if r["top_p"] == tp]) for tp in done
                 }
+                if 1.0 in done:  # dense in the same engine: the CPU TTFT ratio per value
+                    result["ttft_ratio_vs_dense"] = _ttft_ratios(result["rows"], done)
                 result["elapsed_seconds"] = round(time.perf_counter() - t0, 1)
                 args.json.write_text(json.dumps(result, indent=1) + "\n")
     finally:
