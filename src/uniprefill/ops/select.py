@@ -34,6 +34,7 @@ def _check_tensors(
     k: torch.Tensor,
     cu_seqlens: torch.Tensor,
     allow_drop: torch.Tensor | None,
+    row_top_p: torch.Tensor | None,
 ) -> None:
     """Shape/dtype/device checks that read no tensor values (no sync)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
@@ -60,32 +61,25 @@ def _check_tensors(
         raise ValueError(f"cu_seqlens device {cu_seqlens.device} must match q device {q.device}")
     if cu_seqlens.numel() < 1:
         raise ValueError("cu_seqlens must have at least one entry (B+1 >= 1)")
-    if allow_drop is not None:
-        nreq = cu_seqlens.numel() - 1
-        if (
-            not isinstance(allow_drop, torch.Tensor)
-            or allow_drop.dtype != torch.bool
-            or tuple(allow_drop.shape) != (nreq,)
-            or allow_drop.device != q.device
-        ):
-            raise ValueError(f"allow_drop must be None or a bool tensor [{nreq}] on {q.device}")
-
-
-def _check_row_top_p(
-    row_top_p: torch.Tensor, cu_seqlens: torch.Tensor, keep_ratio: float | None
-) -> None:
-    """Shape, dtype and device of the per-row top_p (its values are the caller's: the
-    request settings check them on admission; reading them here would sync)."""
     nreq = cu_seqlens.numel() - 1
-    if (
-        not isinstance(row_top_p, torch.Tensor)
-        or row_top_p.dtype != torch.float64
-        or tuple(row_top_p.shape) != (nreq,)
-        or row_top_p.device != cu_seqlens.device
+    _check_per_row("allow_drop", allow_drop, torch.bool, nreq, q.device)
+    # row_top_p's values are the caller's (the request settings check them on
+    # admission): reading them here would sync.
+    _check_per_row("row_top_p", row_top_p, torch.float64, nreq, q.device)
+
+
+def _check_per_row(
+    name: str, value: torch.Tensor | None, dtype: torch.dtype, nreq: int, device: torch.device
+) -> None:
+    """An optional per-request tensor: ``None`` or ``dtype [nreq]`` on ``device``."""
+    if value is not None and (
+        not isinstance(value, torch.Tensor)
+        or value.dtype != dtype
+        or tuple(value.shape) != (nreq,)
+        or value.device != device
     ):
-        raise ValueError(f"row_top_p must be None or a float64 tensor [{nreq}] on the q device")
-    if keep_ratio is not None:
-        raise ValueError("row_top_p and keep_ratio cannot be combined (keep_ratio keeps a share)")
+        kind = str(dtype).removeprefix("torch.")
+        raise ValueError(f"{name} must be None or a {kind} tensor [{nreq}] on {device}")
 
 
 def _check_cu_values(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
@@ -174,7 +168,7 @@ def select_tokens(
             with ``UNIPREFILL_DEBUG_CHECKS=1``).
     """
     params = SelectionParams(top_p, block_size, last_q, sink, keep_ratio)  # validates
-    _check_tensors(q, k, cu_seqlens, allow_drop)
+    _check_tensors(q, k, cu_seqlens, allow_drop, row_top_p)
     if scale is not None and (
         isinstance(scale, bool)
         or not isinstance(scale, (int, float))
@@ -187,7 +181,10 @@ def select_tokens(
     if score_allreduce is not None and not callable(score_allreduce):
         raise ValueError("score_allreduce must be None or a callable")
     if row_top_p is not None:
-        _check_row_top_p(row_top_p, cu_seqlens, keep_ratio)
+        if keep_ratio is not None:
+            raise ValueError(
+                "row_top_p and keep_ratio cannot be combined (keep_ratio keeps a share)"
+            )
         # A row at 1.0 keeps everything exactly: not scored at all (device-side, no sync).
         below_one = row_top_p < 1.0
         allow_drop = below_one if allow_drop is None else allow_drop & below_one

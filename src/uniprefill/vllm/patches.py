@@ -118,8 +118,8 @@ def _patch_request_validation() -> None:
 
             try:
                 settings = request_settings(params)
-                engine = uniprefill_config(config.additional_config)
-                if "top_p" in settings and engine is not None and engine.keep_ratio is not None:
+                engine = "top_p" in settings and uniprefill_config(config.additional_config)
+                if engine and engine.keep_ratio is not None:
                     raise ValueError(
                         f"{TOP_P_KEY}: this engine keeps a forced keep_ratio "
                         f"({engine.keep_ratio}, a benchmark mode); a request's top_p needs "
