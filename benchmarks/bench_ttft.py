@@ -52,6 +52,7 @@ from common import (  # noqa: E402
     hf_config,
     log,
     mode_options,
+    replayed,
     wait_gpu_free,
 )
 from ttft_args import parse_args  # noqa: E402
@@ -78,9 +79,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def mode_config(mode: str, drop_layers: list[int] | None) -> dict[str, Any]:
+def mode_config(
+    mode: str, drop_layers: list[int] | None, length: int | None = None, own: Any = None
+) -> dict[str, Any]:
     """The uniprefill option dict of a mode name (``common.mode_options``) at these layers."""
-    return {"drop_layers": drop_layers, **mode_options(mode)}
+    return {"drop_layers": drop_layers, **mode_options(mode, length, own)}
 
 
 # ---- the sweep ----------------------------------------------------------------------------
@@ -99,6 +102,8 @@ class Sweep:
             "models": {},
             "points": [],
             "errors": [],
+            # own<P> modes: the measured length and kept shares replayed at each length
+            "replayed": replayed(args.modes, args.lengths, args.own),
         }
         self.cost = PointCost(args.repeats)
 
@@ -203,11 +208,14 @@ class Sweep:
         }
         return llm
 
-    def set_mode(self, llm: Any, mode: str, drop_layers: list[int] | None) -> dict[str, Any]:
+    def set_mode(
+        self, llm: Any, mode: str, drop_layers: list[int] | None, length: int | None = None
+    ) -> dict[str, Any]:
         # The plugin's worker RPC: new selection settings from the next step on.
         from uniprefill.vllm.worker import CONFIGURE_METHOD
 
-        return llm.collective_rpc(CONFIGURE_METHOD, args=(mode_config(mode, drop_layers),))[0]
+        cfg = mode_config(mode, drop_layers, length, self.args.own)
+        return llm.collective_rpc(CONFIGURE_METHOD, args=(cfg,))[0]
 
     def run_model(self, name: str) -> None:
         import vllm
@@ -289,7 +297,7 @@ class Sweep:
         for mode in modes:
             for rep in range(2 if conc > 1 else 1):
                 try:
-                    self.set_mode(llm, mode, drop_layers)
+                    self.set_mode(llm, mode, drop_layers, length)
                     r = run_batch(llm, sp, batch_prompts(length, conc, seed=999 + rep))
                     log(f"{name}: warm-up {mode} c={conc} {r['wall_s']:.3f} s")
                 except Exception as e:  # noqa: BLE001
@@ -323,7 +331,7 @@ class Sweep:
                     length, conc, seed=point_seed(a, rep, length, conc, mode_index)
                 )
                 try:
-                    self.set_mode(llm, mode, drop_layers)
+                    self.set_mode(llm, mode, drop_layers, length)
                     before = collect(llm)
                     r = run_batch(llm, sp, prompts)
                     after = collect(llm)

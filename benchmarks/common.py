@@ -7,6 +7,7 @@ checkpoints; only ``config.json`` and a tiny tokenizer are written.
 from __future__ import annotations
 
 import gc
+import json
 import random
 import re
 import subprocess
@@ -131,25 +132,98 @@ def batch_prompts(length: int, conc: int, seed: int) -> list[dict[str, Any]]:
 
 # ---- modes: how a benchmark names the plugin's selection settings ----------------------------
 _RATIO = r"(0?\.\d+|1(\.0*)?)"
-_MODE = re.compile(rf"^(dense|topp{_RATIO}|keep{_RATIO}(/{_RATIO})*)$")
+_MODE = re.compile(rf"^(dense|topp{_RATIO}|own{_RATIO}|keep{_RATIO}(/{_RATIO})*)$")
+
+# {prompt length: {top_p: kept share per drop layer}}, from `uniprefill calibrate` JSONs.
+OwnShares = dict[int, dict[float, list[float]]]
 
 
-def mode_options(mode: str) -> dict[str, Any]:
+def load_own_shares(paths: list[str]) -> OwnShares:
+    """The kept share per drop layer that a trained model's own attention kept, per
+    measured prompt length and top_p: ``uniprefill calibrate`` JSONs, one length each
+    (calibrate averages over its lengths, so a file of several would mix them)."""
+    own: OwnShares = {}
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        lengths = doc["prompts"]["lengths"]
+        if len(lengths) != 1:
+            raise ValueError(f"--own-shares {path}: {len(lengths)} lengths; one per file")
+        if lengths[0] in own:
+            raise ValueError(f"--own-shares: two files measured length {lengths[0]}")
+        own[lengths[0]] = {c["top_p"]: c["kept_per_layer"] for c in doc["configs"]}
+    return own
+
+
+def own_shares_at(own: OwnShares, top_p: float, length: int) -> tuple[int, list[float]]:
+    """The measured length replayed at ``length`` (the longest measured one not longer,
+    else the shortest: longer prompts keep less, so this understates their drop) and its
+    shares at ``top_p``."""
+    measured = max((n for n in own if n <= length), default=min(own))
+    if top_p not in own[measured]:
+        raise ValueError(
+            f"own{top_p:g}: top_p {top_p:g} not measured at length {measured} "
+            f"(measured: {sorted(own[measured])})"
+        )
+    return measured, own[measured][top_p]
+
+
+def mode_options(
+    mode: str, length: int | None = None, own: OwnShares | None = None
+) -> dict[str, Any]:
     """The uniprefill options of a mode name: ``dense`` (top_p 1, the plugin's dense
-    path), ``topp<P>`` (top_p P), ``keep<R>`` (keep_ratio R, top_p 0.99), or
-    ``keep<R1>/<R2>/...`` (one keep ratio per drop layer: a replay of the kept shares a
-    trained model measured, e.g. ``keep0.91/0.84/0.69/0.91/0.92/0.92``)."""
+    path), ``topp<P>`` (top_p P), ``keep<R>`` (keep_ratio R, top_p 0.99),
+    ``keep<R1>/<R2>/...`` (one keep ratio per drop layer), or ``own<P>``: the kept
+    shares a trained model's own attention kept at top_p P (``own``, from
+    ``--own-shares``), replayed as one keep ratio per drop layer at ``length``."""
     if not _MODE.match(mode):
         raise ValueError(
-            f"bad mode {mode!r}: use dense, topp<P> (topp0.99), keep<R> (keep0.3) or "
-            "keep<R1>/<R2>/... (one ratio per drop layer)"
+            f"bad mode {mode!r}: use dense, topp<P> (topp0.99), keep<R> (keep0.3), "
+            "keep<R1>/<R2>/... (one ratio per drop layer) or own<P> (with --own-shares)"
         )
     if mode == "dense":
         return {"top_p": 1.0, "keep_ratio": None}
     if mode.startswith("topp"):
         return {"top_p": float(mode[4:]), "keep_ratio": None}
+    if mode.startswith("own"):
+        if not own:
+            raise ValueError(f"mode {mode!r} needs --own-shares (calibrate JSON files)")
+        _, shares = own_shares_at(own, float(mode[3:]), length if length else max(own))
+        return {"top_p": 0.99, "keep_ratio": list(shares)}
     ratios = [float(r) for r in mode[4:].split("/")]
     return {"top_p": 0.99, "keep_ratio": ratios[0] if len(ratios) == 1 else ratios}
+
+
+def replayed(modes: list[str], lengths: list[int], own: OwnShares | None) -> dict[str, Any]:
+    """For the JSON: which measured length and shares each ``own<P>`` mode replays at
+    each benchmark length."""
+    out: dict[str, Any] = {}
+    for mode in modes:
+        if mode.startswith("own") and own:
+            out[mode] = {}
+            for n in lengths:
+                measured, shares = own_shares_at(own, float(mode[3:]), n)
+                out[mode][str(n)] = {"measured_length": measured, "kept_per_layer": shares}
+    return out
+
+
+def add_own_shares_arg(p: Any) -> None:
+    p.add_argument(
+        "--own-shares",
+        default="",
+        help="comma-separated `uniprefill calibrate` JSON files (one prompt length each) "
+        "whose kept shares the own<P> modes replay",
+    )
+
+
+def parse_modes(p: Any, modes: list[str], own_paths: str) -> OwnShares | None:
+    """Load ``--own-shares`` and check every mode early (``p.error`` names the bad one)."""
+    try:
+        own = load_own_shares([x for x in own_paths.split(",") if x]) if own_paths else None
+        for m in modes:
+            mode_options(m, None, own)
+    except (ValueError, OSError, KeyError) as e:
+        p.error(str(e))
+    return own
 
 
 def close_llm(llm: Any) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from common import KB, MODELS, mode_options
+from common import KB, MODELS, add_own_shares_arg, parse_modes
 
 
 def _ints(s: str) -> list[int]:
@@ -24,6 +24,7 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     p.add_argument("--lengths", default="8K,32K,64K,128K")
     p.add_argument("--concurrency", default="1,4")
     p.add_argument("--modes", default="dense,topp0.99,keep0.5,keep0.3")
+    add_own_shares_arg(p)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument(
@@ -125,12 +126,9 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     a.skip_points = [x.strip() for x in a.skip_points.split(",") if x.strip()]
     a.profile_length = _ints(a.profile_length)[0]
     a.profile_modes = [m.strip() for m in a.profile_modes.split(",") if m.strip()]
-    for m in a.profile_modes:
-        mode_options(m)
     a.concurrency = _ints(a.concurrency)
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    for m in a.modes:
-        mode_options(m)
+    a.own = parse_modes(p, a.modes + a.profile_modes, a.own_shares)
     if "dense" not in a.modes:
         a.modes.insert(0, "dense")
     return a

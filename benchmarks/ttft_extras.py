@@ -106,7 +106,7 @@ def profile(sweep: Any, llm: Any, sp: Any, name: str, drop_layers: list[int]) ->
     traced = False
     for mode in a.profile_modes:
         try:
-            sweep.set_mode(llm, mode, drop_layers)
+            sweep.set_mode(llm, mode, drop_layers, length)
             for rep in range(2):
                 run_batch(llm, sp, batch_prompts(length, 1, seed=500 + rep))
             trace = None

@@ -67,3 +67,40 @@ def test_mode_names() -> None:
     for bad in ("keep", "keep0.5/", "keep/0.5", "topp0.9/0.8", "keep1.5"):
         with pytest.raises(ValueError, match="bad mode"):
             mode_options(bad)
+
+
+def _calibrate_json(path: Path, length: int, shares: dict[float, list[float]]) -> str:
+    configs = [{"top_p": p, "kept_per_layer": s} for p, s in shares.items()]
+    doc = {"prompts": {"lengths": [length]}, "configs": configs}
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_own_modes_replay_the_shares_measured_at_the_nearest_shorter_length(tmp_path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import load_own_shares, mode_options, replayed
+
+    files = [
+        _calibrate_json(tmp_path / "8k.json", 8192, {0.99: [0.9, 0.5], 0.995: [0.95, 0.6]}),
+        _calibrate_json(tmp_path / "16k.json", 16384, {0.99: [0.8, 0.4]}),
+    ]
+    own = load_own_shares(files)
+    assert mode_options("own0.99", 8192, own) == {"top_p": 0.99, "keep_ratio": [0.9, 0.5]}
+    # Longer than any measured length: the longest measured; shorter: the shortest.
+    assert mode_options("own0.99", 131072, own)["keep_ratio"] == [0.8, 0.4]
+    assert mode_options("own0.995", 4096, own)["keep_ratio"] == [0.95, 0.6]
+    rep = replayed(["dense", "own0.99"], [8192, 32768], own)
+    assert rep == {
+        "own0.99": {
+            "8192": {"measured_length": 8192, "kept_per_layer": [0.9, 0.5]},
+            "32768": {"measured_length": 16384, "kept_per_layer": [0.8, 0.4]},
+        }
+    }
+    with pytest.raises(ValueError, match="not measured at length 16384"):
+        mode_options("own0.995", 16384, own)
+    with pytest.raises(ValueError, match="needs --own-shares"):
+        mode_options("own0.99")
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps({"prompts": {"lengths": [4096, 8192]}, "configs": []}))
+    with pytest.raises(ValueError, match="one per file"):
+        load_own_shares([str(both)])

@@ -84,3 +84,25 @@ def test_worker_strips_the_ray_dp_suffix() -> None:
     config = SimpleNamespace(instance_id="abc_dp2", parallel_config=SimpleNamespace())
     config.parallel_config.data_parallel_rank = 2
     assert metrics.worker_stats_path(config) == metrics.stats_path("abc", 2)
+
+
+def test_engines_of_one_front_end_share_the_counters(monkeypatch, tmp_path) -> None:
+    # Data parallelism: one logger per engine in the front end's process.
+    monkeypatch.setattr(metrics, "stats_dir", lambda: str(tmp_path))
+    logs = [metrics.UniPrefillStatLogger(_config("t2"), engine_index=i) for i in (0, 1)]
+    try:
+        for i, log in enumerate(logs):
+            stats = DropStats(drop_layers=(1, 3))
+            stats.publish_path = metrics.stats_path("t2", i)
+            stats.dropped_prefills = i + 1
+            assert stats.publish(0.0)
+            log.record(None, None)
+        assert logs[0].counters == logs[1].counters
+        for i in (0, 1):
+            labels = {"model_name": "m", "engine": str(i)}
+            assert (
+                REGISTRY.get_sample_value("vllm:uniprefill_dropped_prefills_total", labels) == i + 1
+            )
+    finally:
+        for c in (logs[0].counters or {}).values():
+            REGISTRY.unregister(c)

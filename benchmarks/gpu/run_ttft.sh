@@ -1,35 +1,12 @@
 #!/usr/bin/env bash
-# Device call 7 and later: install vLLM's dependency wheels (once per lease), make the
-# plugin's entry point visible, run benchmarks/bench_ttft.py with the given arguments.
-# .carry/deps3 holds loguru (compressed-tensors needs it; Qwen3-Next imports that).
+# Device call 7 and later: run benchmarks/bench_ttft.py (or the script given first) with
+# the given arguments, after env.sh's set-up.
 # usage (carry=[".carry/deps", ".carry/deps3"] the first time; nothing later):
 #   bash benchmarks/gpu/run_ttft.sh --models llama8b --lengths 8K,32K ...
 #   bash benchmarks/gpu/run_ttft.sh benchmarks/bench_serving.py --model llama8b   (any script)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-if [[ ! -d /tmp/site1 ]]; then
-  t0=$(date +%s)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site1 \
-    .carry/deps/*.whl $(ls .carry/deps3/*.whl 2>/dev/null) || { echo "deps install failed"; exit 3; }
-  echo "deps installed in $(( $(date +%s) - t0 )) s"
-fi
-# vLLM finds plugins through entry points: a minimal dist-info on PYTHONPATH declares
-# ours (the source itself is imported from ./src).
-di=/tmp/upsite/uniprefill-0.1.0.dist-info
-mkdir -p "$di"
-printf 'Metadata-Version: 2.1\nName: uniprefill\nVersion: 0.1.0\n' > "$di/METADATA"
-printf '[vllm.general_plugins]\nuniprefill = uniprefill.vllm.plugin:register\n' \
-  > "$di/entry_points.txt"
-export PYTHONPATH=/tmp/site2:/tmp/site1:/tmp/site:/tmp/upsite:$PWD/src
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1
-python3 - <<'PY' || exit 4
-import importlib.metadata as m, vllm
-eps = [e.value for e in m.entry_points(group="vllm.general_plugins")]
-print("vllm", vllm.__version__, "plugins", eps)
-assert "uniprefill.vllm.plugin:register" in eps
-PY
+. benchmarks/gpu/env.sh
 script=benchmarks/bench_ttft.py
 if [[ "${1:-}" == *.py ]]; then script=$1; shift; fi
 python3 "$script" --out "$OUT" "$@" 2>&1 | tee "$OUT/run.log"

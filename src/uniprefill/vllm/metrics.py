@@ -124,6 +124,28 @@ def write_atomic(path: str, data: dict[str, Any], only_over: bool = False) -> bo
     return True
 
 
+# The counters this process registered, by name: with data parallelism the front end
+# builds one logger per engine, and the engines' loggers must share one set of counters
+# (their `engine` label tells them apart); Prometheus refuses a second with a name.
+_COUNTERS: dict[str, Any] = {}
+
+
+def _shared_counter(name: str, doc: str, labelnames: list[str]) -> Any:
+    """The registered counter ``name``: a new one, or the one another engine's logger of
+    this process made. vLLM's own logger unregisters every ``vllm:`` collector when an
+    engine starts, so a cached counter counts only while it is still registered."""
+    from prometheus_client import Counter
+
+    try:
+        counter = Counter(name, doc, labelnames=labelnames)
+    except ValueError:  # registered already: ours from another engine's logger, or not
+        if name not in _COUNTERS:
+            raise
+        return _COUNTERS[name]
+    _COUNTERS[name] = counter
+    return counter
+
+
 class UniPrefillStatLogger(StatLoggerBase):
     """Per-engine stat logger: UniPrefill's counters as ``vllm:uniprefill_*`` Prometheus
     counters, labels ``model_name``, ``engine`` (and ``drop_layer`` per drop layer).
@@ -181,14 +203,12 @@ class UniPrefillStatLogger(StatLoggerBase):
 
     def _add(self, cur: dict[str, Any]) -> None:
         if self.counters is None:
-            from prometheus_client import Counter
-
             self.counters = {}
             for key, name, doc in COUNTERS:
                 names = ["model_name", "engine"]
                 if isinstance(cur.get(key), list):
                     names.append("drop_layer")
-                self.counters[key] = Counter(name, doc, labelnames=names)
+                self.counters[key] = _shared_counter(name, doc, names)
         layers = [str(layer) for layer in cur.get("drop_layers", [])]
         for key, counter in self.counters.items():
             value, last = cur.get(key), self.last.get(key)
