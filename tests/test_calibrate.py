@@ -179,3 +179,64 @@ def test_format_calibration_says_what_to_run() -> None:
     assert "top_p above 0.99" in lossy
     idle = format_calibration(_result([_full(0.99, 0.0, 1.0, 0)]))
     assert "no setting dropped a token" in idle
+
+
+def _scheduled(sched: list[int], top_p: float, diff: float, kept: float) -> dict:
+    c = _full(top_p, diff, kept, 5)
+    label = f"layers {','.join(map(str, sched))} top_p={top_p:g}"
+    return {**c, "schedule": sched, "label": label, "drop_layers": sched}
+
+
+def test_a_compared_schedule_is_named_in_the_recommendation() -> None:
+    configs = [
+        _scheduled([6, 12], 0.99, -3.0, 0.2),  # fastest but over budget
+        _scheduled([6, 12], 0.999, -0.2, 0.6),
+        _scheduled([4, 8], 0.999, 0.0, 0.5),  # within budget and faster: chosen
+    ]
+    result = {**_result(configs), "uniprefill_config": {}}
+    assert result["recommended"] == {
+        "top_p": 0.999,
+        "label": "layers 4,8 top_p=0.999",
+        "drop_layers": [4, 8],
+    }
+    text = format_calibration(result)
+    assert "| setting | score |" in text
+    row = next(line for line in text.splitlines() if "**recommended**" in line)
+    assert row.startswith("| layers 4,8 top_p=0.999 **recommended** |")
+    assert "recommended: top_p 0.999 at drop layers 4,8:" in text
+    assert "serve it with: uniprefill serve /models/m --top-p 0.999 --drop-layers 4,8" in text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--schedule", "1,3", "--drop-layers", "2"], "--schedule and --drop-layers"),
+        (["--schedule", "1,3", "--schedule", "1,3"], "a schedule is given twice"),
+        (["--schedule", ","], "an empty schedule"),
+        (["--schedule", "3,1"], "drop_layers"),
+    ],
+)
+def test_calibrate_refuses_bad_schedules_before_starting(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["calibrate", "llama", *argv])
+    assert message in str(exc.value)
+
+
+def test_calibrate_compares_schedules_on_the_tiny_llama(tmp_path: Path, capfd) -> None:
+    """Two schedules, one engine each; the dense pass runs once."""
+    out_json = tmp_path / "cal.json"
+    argv = ["calibrate", "llama", "--top-p", "0.9,0.99", "--json", str(out_json)]
+    assert main([*argv, "--schedule", "1,3", "--schedule", "2,4", "--no-progress"]) == 0
+    captured = capfd.readouterr()
+    result = json.loads(out_json.read_text())
+    seen = [(c["schedule"], c["top_p"], c["drop_layers"]) for c in result["configs"]]
+    assert seen == [
+        ([1, 3], 0.9, [1, 3]),
+        ([1, 3], 0.99, [1, 3]),
+        ([2, 4], 0.9, [2, 4]),
+        ([2, 4], 0.99, [2, 4]),
+    ]
+    assert all(c["dropped_prefills"] > 0 for c in result["configs"] if c["top_p"] == 0.9)
+    assert result["recommended"]["drop_layers"] in ([1, 3], [2, 4])
+    assert "[1/5] dense ..." in captured.err and "[5/5] layers 2,4 top_p=0.99" in captured.err
+    assert "serve it with: uniprefill serve" in captured.out and "--drop-layers" in captured.out

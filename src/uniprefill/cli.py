@@ -89,6 +89,15 @@ def check_method_config(args: argparse.Namespace) -> None:
     if args.command == "calibrate":  # --top-p is a list there: check each value
         for p in cfg.pop("top_p", []):
             UniPrefillConfig.from_dict({**cfg, "top_p": p})
+        schedules = [tuple(s) for s in args.schedule]
+        if schedules and "drop_layers" in cfg:
+            raise ValueError("--schedule and --drop-layers: give the schedules with --schedule")
+        if len(set(schedules)) != len(schedules):
+            raise ValueError(f"--schedule: a schedule is given twice ({schedules})")
+        for sched in schedules:
+            if not sched:
+                raise ValueError("--schedule: an empty schedule (give layer indices, e.g. 6,12)")
+            UniPrefillConfig.from_dict({**cfg, "drop_layers": list(sched)})
     UniPrefillConfig.from_dict(cfg)
 
 
@@ -166,6 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_lengths,
         default=[8192, 32768, 131072],
         help="prompt lengths of the speedup prediction (default 8k,32k,128k)",
+    )
+    cal.add_argument(
+        "--schedule",
+        type=_ints,
+        action="append",
+        default=[],
+        metavar="LAYERS",
+        help="a drop schedule to compare, e.g. 4,8,12,16,20,24 (repeat the option: one engine "
+        "each; the recommendation then names the schedule too)",
     )
     cal.add_argument("--json", type=Path, help="write the full result here")
     cal.add_argument("--plot", type=Path, help="write a PNG (needs matplotlib: the bench extra)")
@@ -303,6 +321,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         predict_lengths=args.predict_lengths,
         progress=not args.no_progress,
         on_pass=write_json if args.json else None,
+        schedules=args.schedule,
     )
     print(format_calibration(result))
     if args.json:

@@ -14,6 +14,9 @@ setting it reports
   (compiled, CUDA graphs);
 
 and recommends the fastest setting whose loss stays within a budget (default 0.5 points).
+With ``schedules`` (``--schedule``, repeated) it compares drop schedules too: one engine
+per schedule (the dense pass runs once, in the first), and the recommendation names the
+schedule as well as ``top_p``.
 Prompts are the RULER-style suite (:mod:`uniprefill.eval.ruler`) or a JSONL file of
 ``{"prompt": ..., "answers": [...]}`` (answers optional: without them a prompt scores 1
 when UniPrefill's output equals the dense output exactly).
@@ -61,6 +64,23 @@ TINY_DEFAULTS = {"lengths": [1024], "samples": 1, "max_new_tokens": 8}
 # The tiny Qwen3-Next has full attention at layers 1 and 3 only, and the default schedule
 # skips the first and the last full layer, so it would drop nothing (as in the demo).
 TINY_DROP_LAYERS = {"qwen3_next": [1]}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One pass: a top_p at a drop schedule (None: the model family's default)."""
+
+    top_p: float
+    drop_layers: tuple[int, ...] | None = None
+
+    @property
+    def label(self) -> str:
+        if self.drop_layers is None:
+            return _label(self.top_p)
+        return f"layers {','.join(map(str, self.drop_layers))} {_label(self.top_p)}"
+
+
+DENSE = Setting(1.0)
 
 
 @dataclass(frozen=True)
@@ -156,11 +176,14 @@ def run_calibration(
     progress: bool = True,
     log: TextIO | None = None,
     on_pass: Callable[[dict[str, Any]], None] | None = None,
+    schedules: Sequence[Sequence[int]] = (),
 ) -> dict[str, Any]:
     """Run the grid and return the calibration (what ``--json`` writes).
 
-    ``on_pass`` gets the calibration of the values done so far after each top_p pass,
-    so a long run that is cut off keeps what it measured."""
+    ``schedules``: drop schedules to compare (one engine each); empty: the configured
+    ``drop_layers`` or the family's default. ``on_pass`` gets the calibration of the
+    settings done so far after each pass, so a long run that is cut off keeps what it
+    measured."""
     from transformers import AutoTokenizer
 
     from uniprefill.testing import ARCHS
@@ -178,6 +201,11 @@ def run_calibration(
     base = dict(uniprefill_config or {})
     base.pop("top_p", None)
     base.pop("keep_ratio", None)
+    plans = [tuple(int(x) for x in sched) for sched in schedules]
+    if plans and "drop_layers" in base:
+        raise ValueError("give drop schedules with --schedule or --drop-layers, not both")
+    if len(set(plans)) != len(plans):
+        raise ValueError(f"--schedule: a schedule is given twice: {plans}")
     if tiny and str(model) in TINY_DROP_LAYERS:
         base.setdefault("drop_layers", TINY_DROP_LAYERS[str(model)])
 
@@ -193,11 +221,11 @@ def run_calibration(
     kw = sized_llm_kwargs(
         path, {**arch_kwargs, **(llm_kwargs or {})}, [p.n_tokens for p in prompts], budgets
     )
-    passes = [1.0, *top_ps]
-    runs: dict[float, EngineRun] = {}
+    settings = [Setting(p, sched) for sched in (plans or [None]) for p in top_ps]
+    runs: dict[Setting, EngineRun] = {}
     notes: list[str] = []
 
-    def calibration(done: Sequence[float]) -> dict[str, Any]:
+    def calibration(done: Sequence[Setting]) -> dict[str, Any]:
         import vllm
 
         result = _summarize(
@@ -220,20 +248,28 @@ def run_calibration(
             },
         )
         result["warnings"] = notes + result["warnings"]
-        result["complete"] = len(done) == len(top_ps)  # False: a pass-by-pass write
+        result["complete"] = len(done) == len(settings)  # False: a pass-by-pass write
         return result
 
-    llm = None
+    passes = [DENSE, *settings]
+    llm, engine_plan = None, None
     try:
-        for i, p in enumerate(passes):
-            cfg = {**base, "top_p": p}
-            print(f"[{i + 1}/{len(passes)}] {_label(p)} ...", file=log, flush=True)
+        for i, st in enumerate(passes):
+            sched = st.drop_layers or (plans[0] if plans else None)
+            cfg = {**base, "top_p": st.top_p}
+            if sched is not None:
+                cfg["drop_layers"] = list(sched)
+            print(f"[{i + 1}/{len(passes)}] {st.label} ...", file=log, flush=True)
+            if llm is not None and sched != engine_plan:  # a schedule is fixed at start-up
+                stop_engine(llm)
+                llm = None
             if llm is None:
                 llm, _ = start_engine(path, llm_kwargs=kw, additional_config={"uniprefill": cfg})
+                engine_plan = sched
             else:
                 switch_config(llm, cfg)  # one engine: the next step uses the new top_p
-            runs[p] = generate(
-                llm, texts, budgets, progress=progress, desc=_label(p), warmup=(i == 0)
+            runs[st] = generate(
+                llm, texts, budgets, progress=progress, desc=st.label, warmup=(i == 0)
             )
             if on_pass is not None and i > 0:
                 on_pass(calibration(passes[1 : i + 1]))
@@ -241,7 +277,7 @@ def run_calibration(
         if llm is not None:
             stop_engine(llm)
             del llm
-    return calibration(top_ps)
+    return calibration(settings)
 
 
 def _score(prompt: Prompt, output: str, dense_output: str) -> float:
@@ -254,15 +290,15 @@ def _summarize(
     model: str,
     info: dict[str, Any],
     prompts: Sequence[Prompt],
-    runs: dict[float, EngineRun],
-    top_ps: Sequence[float],
+    runs: dict[Setting, EngineRun],
+    settings: Sequence[Setting],
     budget: float,
     strict: bool,
     predict_lengths: list[int],
 ) -> dict[str, Any]:
     from uniprefill.vllm.stats import kept_ratios
 
-    dense = runs[1.0]
+    dense = runs[DENSE]
     dense_scores = [_score(p, o, o) for p, o in zip(prompts, dense.outputs, strict=True)]
     family, num_layers = info["family"], info["num_layers"]
     configs = []
@@ -278,9 +314,9 @@ def _summarize(
         }
         for i, p in enumerate(prompts)
     ]
-    for top_p in top_ps:
-        run = runs[top_p]
-        label = _label(top_p)
+    for setting in settings:
+        run = runs[setting]
+        top_p, label = setting.top_p, setting.label
         paired = []
         for i, p in enumerate(prompts):
             score = _score(p, run.outputs[i], dense.outputs[i])
@@ -307,6 +343,7 @@ def _summarize(
         entry: dict[str, Any] = {
             "top_p": top_p,
             "label": label,
+            "schedule": None if setting.drop_layers is None else list(setting.drop_layers),
             "n": g.n,
             "score": g.uniprefill,
             "diff": g.diff,
@@ -385,12 +422,16 @@ def _speed_key(c: dict[str, Any]) -> float:
 
 
 def recommend(configs: Sequence[dict[str, Any]], predict_lengths: Sequence[int]) -> dict | None:
-    """The fastest setting within budget that drops something (ties: the higher top_p)."""
+    """The fastest setting within budget that drops something (ties: the higher top_p).
+    With compared schedules it names the schedule (``drop_layers``) too."""
     ok = [c for c in configs if c["within_budget"] and c["dropped_prefills"]]
     if not ok:
         return None
     best = max(ok, key=lambda c: (round(_speed_key(c), 3), c["top_p"]))
-    return {"top_p": best["top_p"], "label": best["label"]}
+    rec = {"top_p": best["top_p"], "label": best["label"]}
+    if best.get("schedule") is not None:
+        rec["drop_layers"] = best["schedule"]
+    return rec
 
 
 # ---- output -----------------------------------------------------------------------------------
@@ -401,6 +442,7 @@ def _fmt_len(n: int) -> str:
 def format_calibration(result: dict[str, Any]) -> str:
     fam, lens = result["family"], result["predict_lengths"]
     pr = result["prompts"]
+    compared = any(c.get("schedule") is not None for c in result["configs"])
     crit = "95% CI low end" if result["criterion"] == "ci_low" else "mean difference"
     speed_head = (
         "H200 TTFT speedup vs vLLM at " + " / ".join(_fmt_len(n) for n in lens)
@@ -414,12 +456,13 @@ def format_calibration(result: dict[str, Any]) -> str:
         + (f", lengths {', '.join(_fmt_len(n) for n in pr['lengths'])}" if pr["lengths"] else "")
         + f"; dense score {result['dense']['score']:.1f}",
         "",
-        "| top_p | score | diff vs dense [95% CI] | worse / better | same output "
+        f"| {'setting' if compared else 'top_p'} | score | diff vs dense [95% CI] "
+        "| worse / better | same output "
         f"| kept per drop layer | left after last drop | work share | {speed_head} "
         f"| within {result['budget']:g} pts |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    rec = (result.get("recommended") or {}).get("top_p")
+    rec = (result.get("recommended") or {}).get("label")
     for c in result["configs"]:
         kept = " ".join("-" if k is None else f"{k:.2f}" for k in c["kept_per_layer"])
         left = "" if c["final_kept_share"] is None else f"{c['final_kept_share']:.3f}"
@@ -431,9 +474,10 @@ def format_calibration(result: dict[str, Any]) -> str:
             )
         else:
             sp = work
-        mark = " **recommended**" if c["top_p"] == rec else ""
+        mark = " **recommended**" if c["label"] == rec else ""
+        name = c["label"] if compared else f"{c['top_p']:g}"
         lines.append(
-            f"| {c['top_p']:g}{mark} | {c['score']:.1f} | {c['diff']:+.1f} "
+            f"| {name}{mark} | {c['score']:.1f} | {c['diff']:+.1f} "
             f"[{c['ci_low']:+.1f}, {c['ci_high']:+.1f}] | {c['worse']} / {c['better']} | "
             f"{100 * c['same_output']:.0f}% | {kept} | {left} | {work} | {sp} | "
             f"{'yes' if c['within_budget'] else 'no'} |"
@@ -452,9 +496,12 @@ def format_calibration(result: dict[str, Any]) -> str:
             f"{result['budget']:g} points ({crit}); try top_p above {hi:g}, or serve dense."
         )
     else:
-        c = next(c for c in result["configs"] if c["top_p"] == rec)
+        c = next(c for c in result["configs"] if c["label"] == rec)
+        what = f"top_p {c['top_p']:g}"
+        if c.get("schedule") is not None:
+            what += f" at drop layers {','.join(map(str, c['schedule']))}"
         text = (
-            f"recommended: top_p {rec:g}: {c['diff']:+.1f} points [{c['ci_low']:+.1f}, "
+            f"recommended: {what}: {c['diff']:+.1f} points [{c['ci_low']:+.1f}, "
             f"{c['ci_high']:+.1f}] against dense ({crit} within {result['budget']:g}), "
             f"{c['final_kept_share']:.0%} of the prompt left after the last drop"
         )
@@ -467,8 +514,11 @@ def format_calibration(result: dict[str, Any]) -> str:
                 + ("" if comp is None else f", {comp:.2f}x against compiled vLLM")
             )
         lines.append(text + ".")
-        flags = [f"--top-p {rec:g}"]
-        for key, value in sorted((result.get("uniprefill_config") or {}).items()):
+        flags = [f"--top-p {c['top_p']:g}"]
+        chosen = dict(result.get("uniprefill_config") or {})
+        if c.get("schedule") is not None:
+            chosen["drop_layers"] = c["schedule"]
+        for key, value in sorted(chosen.items()):
             if isinstance(value, (list, tuple)):
                 value = ",".join(map(str, value))
             flags.append(f"--{key.replace('_', '-')} {value}")
@@ -506,13 +556,14 @@ def plot_calibration(result: dict[str, Any], path: Path) -> Path:
     ax.errorbar(xs, ys, yerr=err, fmt="o", capsize=3)
     labels: dict[tuple[float, float], list[str]] = {}
     for x, y, c in zip(xs, ys, configs, strict=True):  # one label per spot: "0.99, 0.995"
-        labels.setdefault((round(x, 3), round(y, 2)), []).append(f"{c['top_p']:g}")
+        name = c["label"].replace("top_p=", "") if c.get("schedule") else f"{c['top_p']:g}"
+        labels.setdefault((round(x, 3), round(y, 2)), []).append(name)
     for (x, y), names in labels.items():
         ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    rec = (result.get("recommended") or {}).get("top_p")
+    rec = (result.get("recommended") or {}).get("label")
     for x, y, c in zip(xs, ys, configs, strict=True):
-        if c["top_p"] == rec:
-            ax.plot([x], [y], "r*", markersize=14, label=f"recommended (top_p {rec:g})")
+        if c["label"] == rec:
+            ax.plot([x], [y], "r*", markersize=14, label=f"recommended ({rec})")
     ax.axhline(-result["budget"], color="grey", ls="--", label=f"budget -{result['budget']:g}")
     ax.axhline(0, color="black", lw=0.5)
     if result["family"]:
@@ -527,7 +578,7 @@ def plot_calibration(result: dict[str, Any], path: Path) -> Path:
     for c in configs:
         if c["kept_per_layer"]:
             ks = [1.0 if k is None else k for k in c["kept_per_layer"]]
-            bx.plot([str(d) for d in c["drop_layers"]], ks, "o-", label=f"top_p {c['top_p']:g}")
+            bx.plot([str(d) for d in c["drop_layers"]], ks, "o-", label=c["label"])
     bx.set_xlabel("drop layer")
     bx.set_ylabel("kept share (of the tokens reaching the layer)")
     bx.set_ylim(0, 1.05)
