@@ -150,6 +150,11 @@ def load_own_shares(paths: list[str]) -> OwnShares:
             raise ValueError(f"--own-shares {path}: {len(lengths)} lengths; one per file")
         if lengths[0] in own:
             raise ValueError(f"--own-shares: two files measured length {lengths[0]}")
+        if any(c.get("schedule") for c in doc["configs"]):
+            raise ValueError(
+                f"--own-shares {path}: compares schedules (--schedule); give a "
+                "run at the benchmark's own drop layers"
+            )
         own[lengths[0]] = {c["top_p"]: c["kept_per_layer"] for c in doc["configs"]}
     return own
 
