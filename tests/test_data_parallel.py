@@ -104,6 +104,7 @@ def test_each_engine_counts_its_own_prompts(dp_runs: dict[str, Any]):
 
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,
     reason="metrics.worker_stats_path names the file by data_parallel_rank, which vLLM "
     "sets to 0 in every dense DP engine (data_parallel_index holds the rank): both "
     "engines publish to the dp0 file",
