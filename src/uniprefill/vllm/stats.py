@@ -1,4 +1,5 @@
-"""Read UniPrefill's counters from a running ``vllm.LLM``."""
+"""Read UniPrefill's counters from a running ``vllm.LLM``, or from every data-parallel
+engine of a ``vllm.v1.engine.async_llm.AsyncLLM``."""
 
 from __future__ import annotations
 
@@ -28,12 +29,46 @@ def collect(llm: Any) -> dict[str, Any] | None:
 def collect_ranks(llm: Any) -> list[dict[str, Any]]:
     """Every worker's drop statistics (as :func:`collect`), ``[]`` when UniPrefill is
     off. Tensor-parallel ranks make the same choices, so their records must agree."""
-    from uniprefill.vllm.worker import EXTENSION_CLS, STATS_METHOD
+    from uniprefill.vllm.worker import STATS_METHOD
 
-    config = getattr(llm.llm_engine, "vllm_config", None)
-    if config is None or config.parallel_config.worker_extension_cls != EXTENSION_CLS:
+    if not _uniprefill_on(getattr(llm.llm_engine, "vllm_config", None)):
         return []  # UniPrefill is off: its worker RPC is not there
     return list(llm.collective_rpc(STATS_METHOD))
+
+
+async def collect_engines_async(async_llm: Any) -> list[dict[str, Any]]:
+    """The drop statistics (as :func:`collect`) of each data-parallel engine of an
+    ``AsyncLLM``, in DP-rank order; ``[]`` when UniPrefill is off. Each engine drops on
+    its own requests, so their counters differ; :func:`summed` adds them up."""
+    from uniprefill.vllm.worker import STATS_METHOD
+
+    if not _uniprefill_on(async_llm.vllm_config):
+        return []
+    return [workers[0] for workers in await rpc_engines_async(async_llm, STATS_METHOD)]
+
+
+async def rpc_engines_async(async_llm: Any, method: str, args: tuple = ()) -> list[list[Any]]:
+    """``collective_rpc`` on every data-parallel engine of an ``AsyncLLM``: per engine
+    (DP-rank order), each worker's result. vLLM's own ``AsyncLLM.collective_rpc`` also
+    reaches every engine but returns the first engine's results only."""
+    client = async_llm.engine_core
+    call = ("collective_rpc", method, None, args, None)
+    if hasattr(client, "call_utility_all_async"):  # vLLM 0.32+
+        return list(await client.call_utility_all_async(*call))
+    import asyncio
+
+    # vLLM 0.27: the client's private per-engine call (docs/porting.md).
+    return list(
+        await asyncio.gather(
+            *(client._call_utility_async(*call, engine=e) for e in client.core_engines)
+        )
+    )
+
+
+def _uniprefill_on(config: Any) -> bool:
+    from uniprefill.vllm.worker import EXTENSION_CLS
+
+    return config is not None and config.parallel_config.worker_extension_cls == EXTENSION_CLS
 
 
 # Measurements of one rank's own (host timings): ranks need not agree on them.
