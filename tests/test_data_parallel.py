@@ -102,13 +102,6 @@ def test_each_engine_counts_its_own_prompts(dp_runs: dict[str, Any]):
     assert all(s["records"] == 0 and s["stashed"] == 0 for s in dp_runs["engine_stats"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="metrics.worker_stats_path names the file by data_parallel_rank, which vLLM "
-    "sets to 0 in every dense DP engine (data_parallel_index holds the rank): both "
-    "engines publish to the dp0 file",
-)
 def test_each_engine_publishes_its_own_metrics(dp_runs: dict[str, Any]):
     """The Prometheus side (metrics.py): each engine's worker writes its own file."""
     for published, total in zip(dp_runs["published"], dp_runs["engine_totals"], strict=True):

@@ -86,6 +86,13 @@ def test_worker_strips_the_ray_dp_suffix() -> None:
     assert metrics.worker_stats_path(config) == metrics.stats_path("abc", 2)
 
 
+def test_a_dense_dp_engine_publishes_under_its_index() -> None:
+    # vLLM runs each dense DP engine as DP=1 (rank 0); the index keeps which it is.
+    pc = SimpleNamespace(data_parallel_rank=0, data_parallel_index=1)
+    config = SimpleNamespace(instance_id="abc", parallel_config=pc)
+    assert metrics.worker_stats_path(config) == metrics.stats_path("abc", 1)
+
+
 def test_engines_of_one_front_end_share_the_counters(monkeypatch, tmp_path) -> None:
     # Data parallelism: one logger per engine in the front end's process.
     monkeypatch.setattr(metrics, "stats_dir", lambda: str(tmp_path))

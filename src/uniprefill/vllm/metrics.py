@@ -90,9 +90,13 @@ def stats_path(instance_id: str, dp_rank: int) -> str:
 
 
 def worker_stats_path(vllm_config: VllmConfig) -> str:
-    """The file of this worker's engine. With Ray data parallelism vLLM suffixes each
-    engine's ``instance_id`` with ``_dp<rank>`` (the front end keeps the plain one)."""
-    rank = vllm_config.parallel_config.data_parallel_rank
+    """The file of this worker's engine. A dense model's DP engines each run as DP=1 with
+    ``data_parallel_rank`` 0; ``data_parallel_index`` keeps the engine's rank (0.27.1 and
+    0.32.0). With Ray data parallelism vLLM suffixes each engine's ``instance_id`` with
+    ``_dp<rank>`` (the front end keeps the plain one)."""
+    pc = vllm_config.parallel_config
+    rank = getattr(pc, "data_parallel_index", None)
+    rank = pc.data_parallel_rank if rank is None else rank
     return stats_path(vllm_config.instance_id.removesuffix(f"_dp{rank}"), rank)
 
 
