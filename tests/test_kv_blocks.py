@@ -148,6 +148,41 @@ def test_a_stage_spec_merges_only_with_its_own_stage():
         stage_spec(window, 1)
 
 
+def test_records_ride_on_the_output_and_the_notice_is_checked():
+    """The worker patch's hand-off without an engine: records on a copy of vLLM's shared
+    empty output (or through an async output's get_output), kept through pickling (how
+    vLLM's multi-process executor sends outputs); a notice for a request this worker
+    holds but skips nothing of is an error."""
+    import copy
+    import pickle
+
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput
+
+    from uniprefill.vllm.kv_blocks import RECORDS_ATTR, KeptRecord, records_of
+    from uniprefill.vllm.patches import _with_records
+
+    kv = KVBlockFreeing(32, 32, {1: 1}, 4, 4, torch.device("cpu"))
+    assert _with_records(kv, EMPTY_MODEL_RUNNER_OUTPUT) is EMPTY_MODEL_RUNNER_OUTPUT
+    rec = KeptRecord("a", 500, (100,))
+    kv.pending.append(rec)
+    out = _with_records(kv, EMPTY_MODEL_RUNNER_OUTPUT)
+    assert out is not EMPTY_MODEL_RUNNER_OUTPUT
+    assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, RECORDS_ATTR) and not kv.pending
+    assert records_of(pickle.loads(pickle.dumps(out, pickle.HIGHEST_PROTOCOL))) == [rec]
+
+    class Later(AsyncModelRunnerOutput):
+        def get_output(self):
+            return copy.copy(EMPTY_MODEL_RUNNER_OUTPUT)
+
+    kv.pending.append(rec)
+    assert records_of(_with_records(kv, Later()).get_output()) == [rec]
+
+    kv.note_freed({"gone": 3}, held={"b"})  # already removed here: counted only
+    assert kv.blocks_freed == 3
+    with pytest.raises(RuntimeError, match="still use"):
+        kv.note_freed({"b": 1}, held={"b"})
+
+
 @contextlib.contextmanager
 def _in_process() -> Iterator[None]:
     """The engine core, and so the worker, in this process (free_kv_blocks needs it)."""

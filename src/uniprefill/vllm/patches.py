@@ -154,17 +154,20 @@ def _with_records(kv: kv_blocks.KVBlockFreeing | None, output: Any) -> Any:
     from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
     records = kv.take_records()
-    if isinstance(output, ModelRunnerOutput):
+
+    def attached(result: Any) -> Any:
         # A copy: vLLM returns one shared empty output for steps without a forward.
-        output = copy.copy(output)
-        setattr(output, kv_blocks.RECORDS_ATTR, records)
+        result = copy.copy(result)
+        setattr(result, kv_blocks.RECORDS_ATTR, records)
+        return result
+
+    if isinstance(output, ModelRunnerOutput):
+        output = attached(output)
     elif isinstance(output, AsyncModelRunnerOutput):
         get_output = output.get_output
 
         def with_records() -> Any:
-            result = get_output()
-            setattr(result, kv_blocks.RECORDS_ATTR, records)
-            return result
+            return attached(get_output())
 
         output.get_output = with_records  # type: ignore[method-assign]
     else:
