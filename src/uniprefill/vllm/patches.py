@@ -3,9 +3,8 @@
 Everything else goes through vLLM's own seams: ``model_class_overrides`` (the
 model classes in ``uniprefill.vllm.models``), the model's ``get_model_state_cls``
 (``uniprefill.vllm.model_state``), ``worker_extension_cls`` (``worker.py``) and
-``additional_config``. Four class patches remain (five with ``free_kv_blocks``); each
-is a no-op unless the engine's
-``additional_config`` holds a ``uniprefill`` entry:
+``additional_config``. Four class patches remain (five with ``free_kv_blocks``, below);
+each is a no-op unless the engine's ``additional_config`` holds a ``uniprefill`` entry:
 
 * ``EngineArgs.create_engine_config`` (all versions, 0.26 - 0.34): check the
   settings and set the options above before any process starts; vLLM has no hook
