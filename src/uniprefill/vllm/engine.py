@@ -161,22 +161,15 @@ def _use_scheduler(vllm_config: VllmConfig, why: str) -> None:
 
 
 def _check_free_kv_blocks(vllm_config: VllmConfig, family: ModelFamily) -> None:
-    """free_kv_blocks: full attention only, worker in the scheduler's process."""
+    """free_kv_blocks: models whose every layer is full attention (docs/kv-blocks.md)."""
     model_config = vllm_config.model_config
     if model_config.is_hybrid or family.has_sliding_window(model_config.hf_config):
         raise refuse(
             f"free_kv_blocks with {family.family}",
             "only models whose every layer is full attention (the Llama family) can give "
-            "dropped KV blocks back; leave free_kv_blocks false",
-        )
-    parallel = vllm_config.parallel_config
-    backend = parallel.distributed_executor_backend
-    if parallel.world_size != 1 or backend != "uni":
-        raise refuse(
-            f"free_kv_blocks with distributed_executor_backend={backend!r} and "
-            f"world_size={parallel.world_size}",
-            "the scheduler reads the kept lengths in the worker's own process: run on one "
-            "GPU (vLLM's 'uni' executor), or with VLLM_ENABLE_V1_MULTIPROCESSING=0 on CPU",
+            "dropped KV blocks back; sliding-window and linear-attention hybrids would "
+            "need stage specs and block managers of their own (docs/kv-blocks.md, "
+            "'Hybrid models'); leave free_kv_blocks false",
         )
 
 

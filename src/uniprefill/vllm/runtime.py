@@ -78,9 +78,9 @@ class UniPrefillRuntime:
         self._select = select_fn
         self.step: StepPlan | None = None  # the step planned last
         self.walk: StageWalk | None = None  # its dropping forward, while it runs
-        # free_kv_blocks: the block size of the stages' KV-cache groups (set by the
-        # model state once the KV cache exists; None: blocks are not freed).
-        self.kv_block_size: int | None = None
+        # free_kv_blocks: the freeing's owner, made by the model state where it finds
+        # the stage groups (None: blocks are not freed).
+        self.kv_freeing: kv_blocks.KVBlockFreeing | None = None
 
     # ---- requests (model state) ----------------------------------------------------------
     def add_request(
@@ -93,12 +93,19 @@ class UniPrefillRuntime:
         generated: int = 0,
     ) -> None:
         self.stash.release(slot)
+        if self.kv_freeing is not None:
+            old = self.table.slot_of.get(req_id)
+            if old is not None:
+                self.kv_freeing.forget(old, req_id)
+            self.kv_freeing.forget(slot, self.table.req_ids[slot])
         self.table.add(slot, req_id, prompt_len, runs_dense, start, generated)
 
     def remove_request(self, req_id: str) -> None:
         slot = self.table.slot_of.get(req_id)
         if slot is not None:
             self.stash.release(slot)  # finished, aborted or preempted mid-prompt
+            if self.kv_freeing is not None:
+                self.kv_freeing.forget(slot, req_id)
         self.table.remove(req_id)
 
     # ---- planning (model state, before the forward) -----------------------------------
@@ -344,8 +351,8 @@ class UniPrefillRuntime:
         dropped = prefill[:, None] - kept_at[rows]
         dropped[:, 0] = 0
         self.table.record(plan.slots[rows], dropped)
-        if self.kv_block_size:
-            kv_blocks.record_freed(self.table, plan, rows, dropped, self.kv_block_size)
+        if self.kv_freeing is not None:
+            self.kv_freeing.record(plan, rows, dropped)
         for r, d, prompt in zip(rows, dropped, prefill, strict=True):
             if d[-1] > 0:
                 self.stats.dropped_prefills += 1

@@ -18,7 +18,11 @@ UniPrefill drops in full-attention and sliding-window layers alike; hybrid model
 with Mamba-style state are refused with prefix caching (``engine.py``).
 
 With ``free_kv_blocks`` the same scheduler also returns the blocks a prompt's
-stages no longer hold to the pool, at the step after its prefill (``kv_blocks.py``).
+stages no longer hold to the pool, as soon as the step's output brings the worker's
+kept records back (``update_from_output``), and tells the workers what it freed on
+its next ``SchedulerOutput`` (``kv_blocks.py``). It runs in the engine core's
+process, which builds the KV-cache manager from the specs the workers report: the
+stage spec's manager is registered here, before vLLM's scheduler builds it.
 
 The cap lives on vLLM's ``KVCacheCoordinator.cache_blocks``, the one call through
 which every group publishes (``KVCacheManager.allocate_slots`` and the scheduler's
@@ -38,6 +42,7 @@ from vllm.v1.request import RequestStatus
 from uniprefill.config import uniprefill_config
 from uniprefill.vllm import kv_blocks
 from uniprefill.vllm.kv_specs import StageAttentionManager
+from uniprefill.vllm.kv_specs import register as register_stage_specs
 from uniprefill.vllm.requests import may_drop
 
 if TYPE_CHECKING:  # vLLM's types, named so a type checker flags a renamed attribute
@@ -53,6 +58,9 @@ class UniPrefillSchedulerMixin:
     and frees the KV blocks their stages no longer need (``free_kv_blocks``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # The engine core's process (not the worker's, with vLLM's multi-process engine
+        # core): the stage specs need their manager before vLLM's scheduler makes one.
+        register_stage_specs()
         super().__init__(*args, **kwargs)
         vllm_config = self.vllm_config  # type: ignore[attr-defined]
         self.uniprefill = uniprefill_config(vllm_config.additional_config)
@@ -71,6 +79,8 @@ class UniPrefillSchedulerMixin:
                     "uniprefill: free_kv_blocks is on but the KV cache has no per-stage "
                     "groups (no drop layers, or this vLLM grouped the layers otherwise)"
                 )
+        # Blocks freed since the last SchedulerOutput, per request (the workers' notice).
+        self._freed_notice: dict[str, int] = {}
 
     def add_request(self, request: Request) -> None:
         cfg = self.uniprefill
@@ -79,27 +89,38 @@ class UniPrefillSchedulerMixin:
             setattr(request, PUBLISH_CAP, min(cfg.dense_prefix_tokens, prompt_len))
         super().add_request(request)  # type: ignore[misc]
 
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        out = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         if self._stage_managers:
-            self._free_dropped_blocks()
-        return super().schedule(*args, **kwargs)  # type: ignore[misc]
+            self._free_dropped_blocks(kv_blocks.records_of(model_runner_output))
+        return out
 
-    def _free_dropped_blocks(self) -> None:
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        if self._stage_managers and self._freed_notice:
+            setattr(out, kv_blocks.FREED_ATTR, self._freed_notice)
+            self._freed_notice = {}
+        return out
+
+    def _free_dropped_blocks(self, records: list[kv_blocks.KeptRecord]) -> None:
         """Free what the worker's records say the stages no longer hold.
 
-        Records come from forwards the scheduler has already scheduled; one whose
-        request is no longer running (finished, or preempted: its blocks are all gone
-        and its recompute will drop anew) is stale and skipped.
+        Called after vLLM has taken the step's output in: a record whose request is no
+        longer running (finished by this very step, aborted, or preempted: its blocks
+        are all gone and its recompute will drop anew) is stale and skipped.
         """
         requests = self.requests  # type: ignore[attr-defined]
-        for rec in kv_blocks.take():
+        for rec in records:
             request = requests.get(rec.req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            freed = 0
             for manager in self._stage_managers:
                 kept = rec.kept[manager.kv_cache_spec.uniprefill_stage - 1]
                 first, count = kv_blocks.freed_blocks(rec.total_tokens, kept, manager.block_size)
-                kv_blocks.CHANNEL.freed_blocks += manager.free_dropped(rec.req_id, first, count)
+                freed += manager.free_dropped(rec.req_id, first, count)
+            if freed:
+                self._freed_notice[rec.req_id] = self._freed_notice.get(rec.req_id, 0) + freed
 
 
 def _cap_publishing(coordinator: KVCacheCoordinator | None) -> None:

@@ -7,7 +7,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from uniprefill.config import UniPrefillConfig
-from uniprefill.vllm import kv_blocks
 from uniprefill.vllm.runtime import UniPrefillRuntime
 from uniprefill.vllm.segments import graphs_compiled
 
@@ -51,8 +50,8 @@ class UniPrefillWorkerExtension:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         out["compiled_drop_steps"] = model.drop_steps_compiled
         out["segment_graphs_compiled"] = graphs_compiled()
-        # Freed by this process's scheduler (free_kv_blocks runs only in-process).
-        out["kv_blocks_freed"] = kv_blocks.CHANNEL.freed_blocks
+        # Freed by the scheduler, as its notices to this worker said (free_kv_blocks).
+        out["kv_blocks_freed"] = rt.kv_freeing.blocks_freed if rt.kv_freeing else 0
         return out
 
     def uniprefill_configure(self, options: dict[str, Any]) -> dict[str, Any]:

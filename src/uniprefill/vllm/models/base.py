@@ -313,10 +313,11 @@ class UniPrefillModel:
 
 def _report_stage_specs(layers: Any, drop_layers: tuple[int, ...], family: ModelFamily) -> None:
     """free_kv_blocks: each layer's KV spec names its stage, so stages get groups of their own."""
-    from uniprefill.vllm import kv_specs
+    from uniprefill.vllm import kv_specs, patches
     from uniprefill.vllm.stages import stage_of_layer
 
     kv_specs.register()
+    patches.carry_kept_records()  # records to the scheduler, its notices back
     for i, layer in enumerate(layers):
         attention = family.attention(layer)
         own = attention.get_kv_cache_spec
