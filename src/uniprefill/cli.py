@@ -89,15 +89,9 @@ def check_method_config(args: argparse.Namespace) -> None:
     if args.command == "calibrate":  # --top-p is a list there: check each value
         for p in cfg.pop("top_p", []):
             UniPrefillConfig.from_dict({**cfg, "top_p": p})
-        schedules = [tuple(s) for s in args.schedule]
-        if schedules and "drop_layers" in cfg:
-            raise ValueError("--schedule and --drop-layers: give the schedules with --schedule")
-        if len(set(schedules)) != len(schedules):
-            raise ValueError(f"--schedule: a schedule is given twice ({schedules})")
-        for sched in schedules:
-            if not sched:
-                raise ValueError("--schedule: an empty schedule (give layer indices, e.g. 6,12)")
-            UniPrefillConfig.from_dict({**cfg, "drop_layers": list(sched)})
+        from uniprefill.eval.calibrate import check_schedules
+
+        check_schedules(args.schedule, cfg)
     UniPrefillConfig.from_dict(cfg)
 
 

@@ -158,6 +158,26 @@ def _label(top_p: float) -> str:
     return "dense" if top_p >= 1.0 else f"top_p={top_p:g}"
 
 
+def check_schedules(
+    schedules: Sequence[Sequence[int]], config: dict[str, Any]
+) -> list[tuple[int, ...]]:
+    """The drop schedules to compare, each checked with the other options ``config``
+    (``ValueError`` naming ``--schedule``): none empty or given twice, and not beside
+    ``drop_layers``."""
+    from uniprefill.config import UniPrefillConfig
+
+    plans = [tuple(int(x) for x in sched) for sched in schedules]
+    if plans and "drop_layers" in config:
+        raise ValueError("--schedule and --drop-layers: give the schedules with --schedule")
+    if len(set(plans)) != len(plans):
+        raise ValueError(f"--schedule: a schedule is given twice ({plans})")
+    for plan in plans:
+        if not plan:
+            raise ValueError("--schedule: an empty schedule (give layer indices, e.g. 6,12)")
+        UniPrefillConfig.from_dict({**config, "drop_layers": list(plan)})
+    return plans
+
+
 def run_calibration(
     model: str | Path,
     *,
@@ -201,11 +221,7 @@ def run_calibration(
     base = dict(uniprefill_config or {})
     base.pop("top_p", None)
     base.pop("keep_ratio", None)
-    plans = [tuple(int(x) for x in sched) for sched in schedules]
-    if plans and "drop_layers" in base:
-        raise ValueError("give drop schedules with --schedule or --drop-layers, not both")
-    if len(set(plans)) != len(plans):
-        raise ValueError(f"--schedule: a schedule is given twice: {plans}")
+    plans = check_schedules(schedules, base)
     if tiny and str(model) in TINY_DROP_LAYERS:
         base.setdefault("drop_layers", TINY_DROP_LAYERS[str(model)])
 
