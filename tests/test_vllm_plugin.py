@@ -150,12 +150,12 @@ def dense_tokens(dense_runs: dict[str, Any]) -> list[list[int]]:
     return dense_runs["tokens"]
 
 
-@pytest.fixture(scope="module")
-def undropped_llm(arch_model: tuple[str, Path]) -> Iterator[Any]:
-    arch, path = arch_model
-    llm = _llm(path, arch, {"top_p": 1.0, "drop_layers": DROP_LAYERS[arch], **SMALL})
-    yield llm
-    _close(llm)
+@pytest.fixture
+def undropped_llm(dropping_llm: tuple[str, Any]) -> Iterator[Any]:
+    """dropping_llm at top_p 1.0 for one test (one engine per family less in CI)."""
+    _, llm = dropping_llm
+    with _configured(llm, {"top_p": 1.0}):
+        yield llm
 
 
 def test_top_p_one_equals_dense(undropped_llm: Any, dense_runs: dict[str, Any]):
