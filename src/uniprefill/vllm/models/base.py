@@ -20,8 +20,9 @@ import torch
 
 from uniprefill.config import uniprefill_config
 from uniprefill.vllm.families import ModelFamily
+from uniprefill.vllm.lora import LoRATokenMapping, check_lora_settings
 from uniprefill.vllm.runtime import UniPrefillRuntime
-from uniprefill.vllm.segments import SegmentFn, build_segments, compile_segment
+from uniprefill.vllm.segments import Segment, SegmentFn, build_segments, compile_segment
 from uniprefill.vllm.stash import stash_reserve_bytes
 from uniprefill.vllm.step import compaction_reserve_bytes
 
@@ -57,8 +58,16 @@ class UniPrefillModel:
         cfg.check_schedule(self.drop_layers)
         self._dropping = False
         self._max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        # LoRA: vLLM's token-to-adapter mapping is set per step and re-set at each gather
+        # point of a dropping step (uniprefill.vllm.lora), bound at the first one.
+        self._uses_lora = vllm_config.lora_config is not None
+        self._lora_mapping: LoRATokenMapping | None = None
+        if self._uses_lora:
+            check_lora_settings(cfg)
         mst = cfg.max_stash_tokens
-        self._stash_tokens = vllm_config.model_config.max_model_len if mst is None else mst
+        if mst is None:  # LoRA: no stash (the lora module says why)
+            mst = 0 if self._uses_lora else vllm_config.model_config.max_model_len
+        self._stash_tokens = mst
         layers = self.model.layers  # type: ignore[attr-defined]
         for layer in layers:
             if getattr(layer, "use_attn_reduce_scatter_for_moe", False):
@@ -79,8 +88,25 @@ class UniPrefillModel:
             _score_in_attention(self, d, attention)
         if cfg.free_kv_blocks:
             _report_stage_specs(layers, self.drop_layers, fam)
-        self._segments = build_segments(
-            layers,
+        self._segments = self._build_segments()
+        # Compiled as vLLM's own model is, unless the setting says otherwise (with LoRA:
+        # eager, see uniprefill.vllm.lora).
+        self._compiled = cfg.compile_drop_steps
+        if self._compiled is None:
+            from vllm.config.compilation import CompilationMode
+
+            compiles = vllm_config.compilation_config.mode != CompilationMode.NONE
+            self._compiled = compiles and not self._uses_lora
+        self._segment_fns: list[SegmentFn] = [
+            compile_segment(seg, i) if self._compiled else seg.forward
+            for i, seg in enumerate(self._segments)
+        ]
+        self._segments_warm = not self._compiled
+
+    def _build_segments(self) -> list[Segment]:
+        fam = self.family
+        return build_segments(
+            self.model.layers,  # type: ignore[attr-defined]
             self.drop_layers,
             self.model.norm,  # type: ignore[attr-defined]
             mixer=fam.layout.mixer,
@@ -89,17 +115,24 @@ class UniPrefillModel:
             zeroed=fam.layout.zeroed,
             mixer_attrs=fam.layout.mixer_attrs,
         )
-        # Compiled as vLLM's own model is, unless the setting says otherwise.
-        self._compiled = cfg.compile_drop_steps
-        if self._compiled is None:
-            from vllm.config.compilation import CompilationMode
 
-            self._compiled = vllm_config.compilation_config.mode != CompilationMode.NONE
-        self._segment_fns: list[SegmentFn] = [
-            compile_segment(seg, i) if self._compiled else seg.forward
-            for i, seg in enumerate(self._segments)
-        ]
-        self._segments_warm = not self._compiled
+    def _lora(self) -> LoRATokenMapping | None:
+        """The LoRA token mapping of dropping steps (None without LoRA).
+
+        Bound at the first dropping step: vLLM wraps the model's linear layers for
+        LoRA after the model is built, so the segments are built again from the
+        wrapped modules (eager with LoRA: nothing compiled is lost).
+        """
+        if not self._uses_lora or self._lora_mapping is not None:
+            return self._lora_mapping
+        manager = getattr(self, "lora_manager", None)  # set by vLLM's LoRAModelManager
+        if manager is None:
+            raise RuntimeError("uniprefill: LoRA is on but vLLM set no lora_manager on the model")
+        assert not self._compiled
+        self._segments = self._build_segments()
+        self._segment_fns = [seg.forward for seg in self._segments]
+        self._lora_mapping = LoRATokenMapping(manager, self.model.layers)  # type: ignore[attr-defined]
+        return self._lora_mapping
 
     @property
     def drop_steps_compiled(self) -> bool:
@@ -180,6 +213,9 @@ class UniPrefillModel:
         rt, inner, state = self.uniprefill, self.model, self.uniprefill_state  # type: ignore[attr-defined]
         assert rt is not None and state is not None
         walk = rt.begin_walk(positions)
+        lora = self._lora()
+        if lora is not None:
+            lora.begin(walk.plan.qlen0)
         hidden = inputs_embeds if inputs_embeds is not None else inner.embed_input_ids(input_ids)
         residual = None
         self._dropping = True
@@ -188,10 +224,14 @@ class UniPrefillModel:
                 hidden, residual = run_segment(walk.positions, hidden, residual)
                 if drop is not None:  # walk.positions shrinks here; the next stage starts
                     hidden, residual = rt.on_gather_point(drop, hidden, residual)
+                    if lora is not None:
+                        lora.follow(walk.qlen)
                     if walk.needs_metadata():
                         state.stage_metadata(walk)
         finally:
             self._dropping = False
+            if lora is not None:
+                lora.end()
         return rt.finish_forward(hidden)
 
     def _dummy_forward(
