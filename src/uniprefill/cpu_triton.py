@@ -77,6 +77,7 @@ def _patch_process() -> None:
     _pytorch_top_k_top_p()
     _tolerate_all_nan_argmax()
     _interpret_libdevice()
+    _boolean_masks()
     if getattr(metadata.version, "_uniprefill", False):
         return
     original = metadata.version
@@ -185,3 +186,36 @@ def _interpret_libdevice() -> None:
 
     libdevice.log1p = lambda x, _semantic=None: tl.log(1.0 + x)
     libdevice.isnan = lambda x, _semantic=None: x != x
+
+
+def _boolean_masks() -> None:
+    """Give the interpreter's masked loads and stores a boolean mask, as compiled code has.
+
+    The interpreter's ``&`` of a block of booleans with a boolean scalar (``tl.load`` of
+    one value, compared) yields integers (Triton 3.9), and its C ``load``/``store`` then
+    raise "mask has unsupported dtype". vLLM's n-gram speculator
+    (``spec_decode/ngram/speculator.py``, ``_ngram_finalize_kernel``) masks its loads
+    so; compiled Triton types that mask int1.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_masked_load, "_uniprefill", False):
+        return
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def as_bool(mask):  # type: ignore[no-untyped-def]
+        if mask.data.dtype == np.bool_:
+            return mask
+        return interpreter.TensorHandle(mask.data != 0, interpreter.tl.int1)
+
+    def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):  # type: ignore[no-untyped-def]
+        return load(self, ptrs, as_bool(mask), other, cache_policy, is_volatile)
+
+    def masked_store(self, ptrs, value, mask, cache_policy):  # type: ignore[no-untyped-def]
+        return store(self, ptrs, value, as_bool(mask), cache_policy)
+
+    masked_load._uniprefill = True  # type: ignore[attr-defined]
+    builder.create_masked_load = masked_load
+    builder.create_masked_store = masked_store

@@ -20,6 +20,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from uniprefill.config import UniPrefillConfig, uniprefill_config
+from uniprefill.vllm import versions
 from uniprefill.vllm.families import FAMILIES, ModelFamily, architecture_of, family_for
 from uniprefill.vllm.lora import check_lora_settings
 from uniprefill.vllm.worker import EXTENSION_CLS
@@ -40,8 +41,6 @@ def prepare_engine_args(args: EngineArgs) -> UniPrefillConfig | None:
     cfg = uniprefill_config(args.additional_config)
     if cfg is None:
         return None
-    if args.speculative_config:
-        raise refuse("speculative decoding", "draft verification needs every prompt position")
     if (args.pipeline_parallel_size or 1) > 1:
         raise refuse("pipeline_parallel_size > 1", "selection state does not cross stages")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
@@ -90,6 +89,7 @@ def check_vllm_config(
     ):
         raise ValueError("uniprefill: sequence parallelism is not supported")
     _check_data_parallel(vllm_config)
+    _check_speculative(vllm_config)
     sched = vllm_config.scheduler_config
     if family.has_sliding_window(model_config.hf_config):
         # The hybrid KV manager frees sliding-window blocks by original length;
@@ -132,6 +132,41 @@ def _check_data_parallel(vllm_config: VllmConfig) -> None:
             "ranks before the forward and the expert layers exchange tokens by it, while "
             "UniPrefill changes that count mid-forward, differently on each rank; use "
             "tensor parallelism, or several single-rank engines behind a load balancer",
+        )
+
+
+# The n-gram (prompt lookup) methods: drafts come from the request's token ids only.
+NGRAM_METHODS = ("ngram", "ngram_gpu")
+
+
+def _check_speculative(vllm_config: VllmConfig) -> None:
+    """Speculative decoding: the n-gram methods only, where V2 has their speculator.
+
+    Verification steps are decode steps of k+1 tokens per request, which UniPrefill
+    runs with each stage's own KV lengths like any decode; the n-gram drafter reads
+    token ids only, never the target's hidden states (docs/usage.md).
+    """
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return
+    method = spec.method
+    if method not in NGRAM_METHODS:
+        raise refuse(
+            f"speculative decoding with method={method!r}",
+            "only the n-gram methods (ngram, ngram_gpu) are supported: a model-based "
+            "drafter (EAGLE, MTP, DFlash, a draft model) reads the target's hidden states "
+            "at every prompt position, which a dropping prefill leaves as zeros for "
+            "dropped tokens, or runs its own prefill of the prompt with the target's "
+            "architecture (UniPrefill's model class would drop in it too); neither is "
+            "tested (no draft model can be built offline)",
+        )
+    if not versions.has_v2_ngram_speculator():
+        import vllm
+
+        raise refuse(
+            f"speculative decoding with method={method!r} on vLLM {vllm.__version__}",
+            f"its model runner V2 has no n-gram speculator ({versions.NGRAM_SPECULATOR}; "
+            "vLLM 0.32 has it) and UniPrefill runs on V2 only",
         )
 
 

