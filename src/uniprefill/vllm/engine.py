@@ -46,12 +46,19 @@ def prepare_engine_args(args: EngineArgs) -> UniPrefillConfig | None:
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if (getattr(args, name, 1) or 1) > 1:
             raise refuse(
-                f"{name} > 1", "context parallelism splits the sequences UniPrefill scores"
+                f"{name} > 1",
+                "context parallelism shards each sequence's tokens or KV over ranks; "
+                "scoring would need the block scores of every shard gathered over the "
+                "context-parallel group, and the kept tokens split back by shard",
             )
     if args.enable_lora:
         check_lora_settings(cfg)
     if getattr(args, "enable_dbo", False):
-        raise refuse("dual batch overlap (enable_dbo)", "micro-batches would split the selection")
+        raise refuse(
+            "dual batch overlap (enable_dbo)",
+            "vLLM splits a step's tokens into two micro-batches whose layers interleave; "
+            "it would need a step plan and a selection per micro-batch",
+        )
     if args.worker_extension_cls and args.worker_extension_cls != EXTENSION_CLS:
         raise refuse(
             f"worker_extension_cls={args.worker_extension_cls!r}",
