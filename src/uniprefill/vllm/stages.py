@@ -56,6 +56,9 @@ BATCH_FIELDS: dict[str, str] = {
     "decode_graph_eligible": REQUEST,
     "prefill_runs_as_decode_np": REQUEST,
     "has_structured_output_reqs": REQUEST,
+    # Each request's length limit, set under pipeline parallelism (the non-last ranks'
+    # sampled-token receive reads it): a drop does not change it.
+    "max_seq_len_np": REQUEST,
     # Read after the forward (sampling), never by attention metadata.
     "input_ids": OUTPUT,
     "expanded_idx_mapping": OUTPUT,
@@ -63,13 +66,12 @@ BATCH_FIELDS: dict[str, str] = {
     "logits_indices": OUTPUT,
     "cu_num_logits": OUTPUT,
     "cu_num_logits_np": OUTPUT,
-    # Features UniPrefill refuses at start-up (spec decode, DCP, PP, R-SWA, vLLM's own
+    # Features UniPrefill refuses at start-up (spec decode, DCP, R-SWA, vLLM's own
     # fast prefill); checked empty at every rebuild.
     "num_draft_tokens": UNUSED,
     "num_draft_tokens_per_req": UNUSED,
     "dcp_local_seq_lens": UNUSED,
     "dcp_local_seq_lens_cpu_upper_bound": UNUSED,
-    "max_seq_len_np": UNUSED,
     "prompt_lens": UNUSED,
     "fast_prefill": UNUSED,
 }
