@@ -13,7 +13,9 @@ compares the tokens:
 * ``keep_eager`` (enforce_eager): reported, not required equal (other kernels).
 
 With ``--tp 2`` every engine runs tensor parallel, and each rank's drop counters are
-read: the ranks must keep the same tokens at every drop layer (``ranks agree``).
+read: the ranks must keep the same tokens at every drop layer (``ranks agree``). With
+``--pp 2`` every engine runs two pipeline stages; the tensor-parallel ranks of each
+stage must agree, and the stats are the last stage's (it counts every drop layer).
 
 Usage: ``python benchmarks/check_compiled.py --out $OUT`` (``--smoke-cpu`` on a CPU,
 where there are no graphs: the engines still run and must agree).
@@ -49,6 +51,8 @@ def engine_kwargs(name: str, a: argparse.Namespace) -> dict[str, Any]:
         # NCCL only: vLLM's custom all-reduce and symmetric-memory paths stay off (the
         # device machines forbid NVLink multicast).
         kw.update(tensor_parallel_size=a.tp, disable_custom_all_reduce=True)
+    if a.pp > 1:
+        kw.update(pipeline_parallel_size=a.pp, distributed_executor_backend="mp")
     if a.smoke_cpu:
         kw["dtype"] = "float32"
     else:
@@ -83,11 +87,14 @@ def run_engine(name: str, mdir: Path, a: argparse.Namespace) -> dict[str, Any]:
         outs = llm.generate(random_prompts(a.lengths, seed=0), sp, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         per_rank = collect_ranks(llm)
-        stats = per_rank[0] if per_rank else None
+        # The last pipeline stage's first rank counts every drop layer (stats.output_rank).
+        stats = per_rank[len(per_rank) - a.tp] if per_rank else None
     finally:
         close_llm(llm)
     log(f"{name}: up in {start:.0f} s; stats {stats}")
-    agree = ranks_agree(per_rank)
+    # Tensor-parallel ranks of one pipeline stage make the same choices.
+    stages = [per_rank[i : i + a.tp] for i in range(0, len(per_rank), a.tp)]
+    agree = all(ranks_agree(ranks) for ranks in stages)
     if len(per_rank) > 1:
         log(f"{name}: {len(per_rank)} ranks, counters {'AGREE' if agree else 'DIFFER'}")
     return {
@@ -123,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
     p.add_argument("--eager", action="store_true", help="every engine enforce_eager")
     p.add_argument("--smoke-cpu", action="store_true")
     a = p.parse_args(argv)

@@ -42,7 +42,7 @@ def prepare_engine_args(args: EngineArgs) -> UniPrefillConfig | None:
     if cfg is None:
         return None
     if (args.pipeline_parallel_size or 1) > 1:
-        raise refuse("pipeline_parallel_size > 1", "selection state does not cross stages")
+        _check_pipeline_parallel(cfg, bool(args.enable_lora))
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if (getattr(args, name, 1) or 1) > 1:
             raise refuse(
@@ -74,6 +74,31 @@ def prepare_engine_args(args: EngineArgs) -> UniPrefillConfig | None:
             overrides[arch] = ours
     args.model_class_overrides = overrides
     return cfg
+
+
+def _check_pipeline_parallel(cfg: UniPrefillConfig, lora: bool) -> None:
+    """Pipeline ranks pass the walk's state on with the intermediate tensors (kept rows
+    and per-stage lengths, ``step.walk_carry``), in vLLM's fixed-size receive buffers."""
+    if lora:
+        raise refuse(
+            "LoRA with pipeline_parallel_size > 1",
+            "not tested: a later rank would set the LoRA token mapping of the kept tokens "
+            "it receives (uniprefill.vllm.lora follows the gathers of one rank only)",
+        )
+    if cfg.max_stash_tokens:
+        raise refuse(
+            f"max_stash_tokens={cfg.max_stash_tokens} with pipeline_parallel_size > 1",
+            "a chunked prompt's last chunk brings its stashed tokens into the later layers, "
+            "more tokens than the step's, which vLLM's receive buffers of the next pipeline "
+            "rank cannot hold; leave it unset (0 under pipeline parallelism: chunked "
+            "prompts run dense)",
+        )
+    if cfg.free_kv_blocks:
+        raise refuse(
+            "free_kv_blocks with pipeline_parallel_size > 1",
+            "not tested: each rank holds the KV of its own stages, and only the last "
+            "rank knows every stage's kept tokens",
+        )
 
 
 def check_vllm_config(

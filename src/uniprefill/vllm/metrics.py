@@ -4,7 +4,8 @@
 The counters (``records.DropStats``) live in the worker; vLLM's stat loggers run in the
 API server (front end) and see only the scheduler's statistics, and vLLM has no seam
 that carries a worker's own counters to the front end (0.26 - 0.34). So the first
-tensor- and pipeline-parallel worker of each engine publishes ``DropStats.as_dict()``
+tensor-parallel worker of each engine's last pipeline stage (the one that counts every
+drop layer) publishes ``DropStats.as_dict()``
 (cumulative) to a small JSON file (:func:`stats_path`, written by rename, so a reader
 never sees half a file), and :class:`UniPrefillStatLogger` reads it when it changed and
 moves its Prometheus counters by the difference. Both sides name the file by vLLM's own
@@ -101,12 +102,13 @@ def worker_stats_path(vllm_config: VllmConfig) -> str:
 
 
 def publish_from_worker(stats: Any, vllm_config: VllmConfig) -> None:
-    """Make this worker's ``DropStats`` publish, on the engine's first rank only (ranks
-    keep the same records) and once the front end's logger created the file. Called once
-    the model is built (``worker.log_start``)."""
+    """Make this worker's ``DropStats`` publish, on the engine's output rank only (the
+    first tensor-parallel rank of the last pipeline stage: tensor-parallel ranks keep the
+    same records, and the last stage counts every drop layer) and once the front end's
+    logger created the file. Called once the model is built (``worker.log_start``)."""
     from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
-    if get_tensor_model_parallel_rank() != 0 or get_pp_group().rank_in_group != 0:
+    if get_tensor_model_parallel_rank() != 0 or not get_pp_group().is_last_rank:
         return
     stats.publish_path = worker_stats_path(vllm_config)
 

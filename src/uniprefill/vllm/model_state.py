@@ -319,6 +319,8 @@ class UniPrefillStateMixin:
         base, batch, block_tables, kv_cache_config = inputs
         stage, qlen, ctx = walk.stage, walk.qlen, walk.plan.later_ctx(walk.stage)
         groups = bufs.stages[stage - 1]
+        if not any(groups.groups):  # a pipeline rank without attention in this stage
+            return
         ctx_dev = self._later_ctx_device(walk, batch, ctx)
         sb = StageBatch.build(qlen, ctx, walk.positions, batch.num_reqs_after_padding, ctx_dev)
         num_tokens = int(qlen.sum())

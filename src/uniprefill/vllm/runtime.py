@@ -44,7 +44,7 @@ from uniprefill.vllm.stash import (
     stash_chunks,
     with_stashes,
 )
-from uniprefill.vllm.step import StageWalk, StepPlan, query_start
+from uniprefill.vllm.step import StageWalk, StepPlan, query_start, resume_walk, walk_carry
 
 logger = logging.getLogger("vllm.uniprefill")
 
@@ -204,6 +204,36 @@ class UniPrefillRuntime:
         # segments (and the warm-up's): a compiled segment's guards check the tensor kind.
         self.walk = StageWalk(self.step, positions.clone(), positions.shape[0])
         return self.walk
+
+    def resume_walk(self, positions: torch.Tensor, carry: torch.Tensor, stage: int) -> StageWalk:
+        """Pipeline parallelism: go on with the walk the previous rank sent (``carry``,
+        see :func:`~uniprefill.vllm.step.walk_carry`) from stage ``stage``, this rank's
+        first (the drop layers before its first layer)."""
+        assert self.step is not None
+        self.walk = resume_walk(self.step, positions, carry, stage, self.num_stages)
+        for drop, seen, kept in self.walk.counts:  # the earlier ranks' drop layers
+            self.stats.add(drop, seen, kept)
+        return self.walk
+
+    def finish_stage(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pipeline parallelism, a rank before the last: record this step's drops as far as
+        this rank knows them (every stage up to its last drop layer is exact; the last
+        rank's records and counters are exact for all), and give the kept tokens padded to
+        the step's rows, with the walk's state for the next rank."""
+        walk, self.walk = self.walk, None
+        assert walk is not None
+        carry = walk_carry(walk, self.num_stages)
+        if walk.kept_at is None:
+            return hidden_states, residual, carry
+        self._record(walk)
+        rows, kept = walk.num_tokens_padded, hidden_states.shape[0]
+        hidden = hidden_states.new_zeros((rows, *hidden_states.shape[1:]))
+        hidden[:kept] = hidden_states
+        res = residual.new_zeros((rows, *residual.shape[1:]))
+        res[:kept] = residual
+        return hidden, res, carry
 
     def on_attention_input(
         self,
@@ -370,7 +400,9 @@ class UniPrefillRuntime:
         self, walk: StageWalk, stage: int, seen_qlen: np.ndarray, new_qlen: np.ndarray
     ) -> None:
         rows = walk.plan.droppable
-        self.stats.add(stage - 1, int(seen_qlen[rows].sum()), int(new_qlen[rows].sum()))
+        seen, kept = int(seen_qlen[rows].sum()), int(new_qlen[rows].sum())
+        self.stats.add(stage - 1, seen, kept)
+        walk.counts.append((stage - 1, seen, kept))
 
     @staticmethod
     def _kept_lengths(walk: StageWalk, sel: Any) -> np.ndarray:

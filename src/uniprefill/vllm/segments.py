@@ -118,14 +118,16 @@ class Segment:
 def build_segments(
     layers: Sequence[nn.Module],
     drop_layers: Sequence[int],
-    norm: nn.Module,
+    norm: nn.Module | None,
     mixer: Sequence[str],
     ffn: Sequence[str],
     ffn_attrs_off: Sequence[str] = (),
     zeroed: Sequence[str] = (),
     mixer_attrs: Mapping[str, Any] | None = None,
+    first: int = 0,
 ) -> list[Segment]:
-    """``len(drop_layers) + 1`` segments covering ``layers`` and the final ``norm``.
+    """``len(drop_layers) + 1`` segments covering ``layers[first:]`` and the final
+    ``norm`` (a pipeline rank: its own layers and drop layers; no norm before the last).
 
     ``mixer`` names the sub-modules a drop layer runs before its gather point,
     ``ffn`` those from its gather module on; ``ffn_attrs_off`` are flags of the
@@ -135,7 +137,6 @@ def build_segments(
     """
     segments: list[Segment] = []
     start: nn.Module | None = None  # FFN half of the previous drop layer
-    first = 0
     for d in drop_layers:
         pieces = ([start] if start is not None else []) + list(layers[first:d])
         pieces.append(layer_half(layers[d], skip=ffn, zero=zeroed, attrs=mixer_attrs))

@@ -59,6 +59,9 @@ BATCH_FIELDS: dict[str, str] = {
     # Speculative decoding: drafts ride on decode rows, which no stage shortens.
     "num_draft_tokens": REQUEST,
     "num_draft_tokens_per_req": REQUEST,
+    # Each request's length limit, set under pipeline parallelism (the non-last ranks'
+    # sampled-token receive reads it): a drop does not change it.
+    "max_seq_len_np": REQUEST,
     # Read after the forward (sampling), never by attention metadata.
     "input_ids": OUTPUT,
     "expanded_idx_mapping": OUTPUT,
@@ -66,11 +69,10 @@ BATCH_FIELDS: dict[str, str] = {
     "logits_indices": OUTPUT,
     "cu_num_logits": OUTPUT,
     "cu_num_logits_np": OUTPUT,
-    # Features UniPrefill refuses at start-up (DCP, PP, R-SWA, vLLM's own fast
-    # prefill); checked empty at every rebuild.
+    # Features UniPrefill refuses at start-up (DCP, R-SWA, vLLM's own fast prefill);
+    # checked empty at every rebuild.
     "dcp_local_seq_lens": UNUSED,
     "dcp_local_seq_lens_cpu_upper_bound": UNUSED,
-    "max_seq_len_np": UNUSED,
     "prompt_lens": UNUSED,
     "fast_prefill": UNUSED,
 }

@@ -7,7 +7,9 @@ from typing import Any
 
 
 def collect(llm: Any) -> dict[str, Any] | None:
-    """Drop statistics of the first worker, or ``None`` when UniPrefill is off.
+    """Drop statistics of the engine's output worker (the first; with pipeline
+    parallelism the last stage's first, which counts every drop layer), or ``None``
+    when UniPrefill is off.
 
     Keys: ``drop_layers``, ``seen_tokens`` and ``kept_tokens`` (per drop layer,
     summed over every dropped prefill so far), ``dropped_prefills``, ``restarted``
@@ -23,12 +25,23 @@ def collect(llm: Any) -> dict[str, Any] | None:
     ``kv_blocks_freed`` (KV blocks of dropped tokens given back, ``free_kv_blocks``).
     """
     ranks = collect_ranks(llm)
-    return ranks[0] if ranks else None
+    if not ranks:
+        return None
+    return ranks[output_rank(len(ranks), llm.llm_engine.vllm_config)]
+
+
+def output_rank(num_workers: int, vllm_config: Any) -> int:
+    """Index of the worker whose output reaches the engine (vLLM's own choice): the first
+    tensor-parallel rank of the last pipeline stage. Its UniPrefill records and counters
+    cover every drop layer; an earlier stage's, only the drop layers up to its own."""
+    return num_workers - vllm_config.parallel_config.tensor_parallel_size
 
 
 def collect_ranks(llm: Any) -> list[dict[str, Any]]:
     """Every worker's drop statistics (as :func:`collect`), ``[]`` when UniPrefill is
-    off. Tensor-parallel ranks make the same choices, so their records must agree."""
+    off, in rank order (pipeline stage, then tensor-parallel rank). Tensor-parallel ranks
+    make the same choices, so their records must agree; a pipeline stage records the
+    drop layers up to its own last (``output_rank``)."""
     from uniprefill.vllm.worker import STATS_METHOD
 
     if not _uniprefill_on(getattr(llm.llm_engine, "vllm_config", None)):
@@ -44,7 +57,8 @@ async def collect_engines_async(async_llm: Any) -> list[dict[str, Any]]:
 
     if not _uniprefill_on(async_llm.vllm_config):
         return []
-    return [workers[0] for workers in await rpc_engines_async(async_llm, STATS_METHOD)]
+    per_engine = await rpc_engines_async(async_llm, STATS_METHOD)
+    return [w[output_rank(len(w), async_llm.vllm_config)] for w in per_engine]
 
 
 async def rpc_engines_async(async_llm: Any, method: str, args: tuple = ()) -> list[list[Any]]:

@@ -8,6 +8,10 @@ runtime's hooks move at each drop layer (kept rows, their lengths and positions)
 enters each later stage with an explicit call that asks the model state for the
 stage's attention metadata. :func:`compaction_reserve_bytes` bounds the device memory
 such a forward needs beyond vLLM's dense one.
+
+With pipeline parallelism a walk crosses ranks: :func:`walk_carry` packs what the next
+rank's layers need (kept rows, tokens alive per row in every stage) into one int64
+tensor that travels with the intermediate tensors, and :func:`resume_walk` unpacks it.
 """
 
 from __future__ import annotations
@@ -104,6 +108,9 @@ class StageWalk:
     # The current drop layer's selection rows -> step rows, when rows with a protected
     # head or tail were split (None: one selection row per step row).
     sub_owner: np.ndarray | None = None
+    # (drop layer index, tokens seen, tokens kept) of the step's droppable rows at each
+    # drop layer that scored: a pipeline rank counts the earlier ranks' too.
+    counts: list[tuple[int, int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.qlen = self.plan.qlen0.copy()
@@ -158,3 +165,59 @@ def query_start(qlen: np.ndarray) -> np.ndarray:
     qsl = np.zeros(len(qlen) + 1, dtype=np.int64)
     np.cumsum(qlen, out=qsl[1:])
     return qsl
+
+
+# Pipeline parallelism: a walk's state as one int64 tensor [n, CARRY_COLS + S + 1 + 3]
+# that travels with vLLM's intermediate tensors (n: the step's padded token count, as
+# the receiving rank slices them; -1 where unused). Column 0: the kept rows, as indices
+# into the step's input; [0, 1]: their count (-1: nothing compacted yet); rows [0, R)
+# of the next S + 1 columns: ``kept_at``; rows of the last 3: the walk's ``counts``.
+CARRY_COLS = 2
+_COUNT_COLS = 3
+
+
+def carry_width(num_stages: int) -> int:
+    """Columns of the carried tensor of a model with ``num_stages`` stages."""
+    return CARRY_COLS + num_stages + _COUNT_COLS
+
+
+def walk_carry(walk: StageWalk, num_stages: int) -> torch.Tensor:
+    """The walk's state for the next pipeline rank (one row per input token)."""
+    n = walk.num_tokens_padded
+    dev = walk.positions.device
+    width = carry_width(num_stages)
+    carry = torch.full((n, width), -1, dtype=torch.int64, device=dev)
+    rows = len(walk.plan.qlen0)
+    if len(walk.counts) > n:  # never: a row that drops has more tokens than there are layers
+        raise RuntimeError("uniprefill: more drop layers than tokens in a dropping step")
+    head = np.full((max(rows, len(walk.counts), 1), width - 1), -1, dtype=np.int64)
+    if walk.gather_total is not None:
+        assert walk.kept_at is not None
+        kept = walk.gather_total.shape[0]
+        carry[:kept, 0] = walk.gather_total
+        head[0, 0] = kept
+        head[:rows, 1 : 1 + num_stages] = walk.kept_at
+    if walk.counts:
+        head[: len(walk.counts), 1 + num_stages :] = np.asarray(walk.counts, dtype=np.int64)
+    carry[: len(head), 1:] = torch.from_numpy(head).to(dev, non_blocking=True)
+    return carry
+
+
+def resume_walk(
+    plan: StepPlan, positions: torch.Tensor, carry: torch.Tensor, stage: int, num_stages: int
+) -> StageWalk:
+    """The walk a previous pipeline rank left at stage ``stage`` (``positions``: this
+    rank's input positions, the same as the first rank's; one host sync)."""
+    walk = StageWalk(plan, positions.clone(), positions.shape[0], stage=stage)
+    rows = len(plan.qlen0)
+    head = carry[: max(rows, num_stages - 1, 1), 1:].cpu().numpy()
+    counts = head[:, 1 + num_stages :]
+    walk.counts = [(int(d), int(a), int(b)) for d, a, b in counts[counts[:, 0] >= 0]]
+    kept = int(head[0, 0])
+    if kept < 0:
+        return walk
+    walk.gather_total = carry[:kept, 0].clone()
+    walk.positions = walk.positions[walk.gather_total]
+    walk.kept_at = head[:rows, 1 : 1 + num_stages].copy()
+    walk.qlen = walk.kept_at[:, stage].copy()
+    return walk

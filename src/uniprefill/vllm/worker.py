@@ -112,6 +112,8 @@ def warm_up(model: Any, rt: UniPrefillRuntime, max_num_reqs: int) -> None:
     if not rt.drop_layers or rt.device.type != "cuda":
         return
     attn = model.scoring_attention()
+    if attn is None:  # a pipeline rank without a drop layer
+        return
     t0 = time.perf_counter()
     counts = rt.warm_up(
         attn.num_heads,

@@ -24,7 +24,7 @@ from uniprefill.vllm.lora import LoRATokenMapping, check_lora_settings
 from uniprefill.vllm.runtime import UniPrefillRuntime
 from uniprefill.vllm.segments import Segment, SegmentFn, build_segments, compile_segment
 from uniprefill.vllm.stash import stash_reserve_bytes
-from uniprefill.vllm.step import compaction_reserve_bytes
+from uniprefill.vllm.step import carry_width, compaction_reserve_bytes
 
 if TYPE_CHECKING:  # vLLM's types, named so a type checker flags a renamed attribute
     from vllm.config import VllmConfig
@@ -34,6 +34,9 @@ if TYPE_CHECKING:  # vLLM's types, named so a type checker flags a renamed attri
     from uniprefill.vllm.model_state import UniPrefillStateMixin
 
 logger = logging.getLogger("vllm.uniprefill")
+
+# The walk's state in the intermediate tensors a pipeline rank sends the next one.
+CARRY_KEY = "uniprefill_walk"
 
 
 class UniPrefillModel:
@@ -64,11 +67,24 @@ class UniPrefillModel:
         self._lora_mapping: LoRATokenMapping | None = None
         if self._uses_lora:
             check_lora_settings(cfg)
-        mst = cfg.max_stash_tokens
-        if mst is None:  # LoRA: no stash (the lora module says why)
-            mst = 0 if self._uses_lora else vllm_config.model_config.max_model_len
-        self._stash_tokens = mst
         layers = self.model.layers  # type: ignore[attr-defined]
+        # Pipeline parallelism: this rank runs layers [start, end) (vLLM's PPMissingLayer
+        # elsewhere) and the drop layers among them; the walk enters at `_first_stage`.
+        inner = self.model  # type: ignore[attr-defined]
+        start, end = getattr(inner, "start_layer", 0), getattr(inner, "end_layer", len(layers))
+        self._pp = vllm_config.parallel_config.pipeline_parallel_size > 1
+        self._pp_last = end == len(layers)
+        self._local_drops = tuple(d for d in self.drop_layers if start <= d < end)
+        self._first_stage = sum(1 for d in self.drop_layers if d < start)
+        self._carry_unset: torch.Tensor | None = None
+        if self._pp:
+            self._vllm_make_empty_intermediate_tensors = self.make_empty_intermediate_tensors
+            self.make_empty_intermediate_tensors = self._make_empty_intermediate_tensors
+        mst = cfg.max_stash_tokens
+        if mst is None:  # no stash with LoRA or across pipeline ranks (both refuse mst > 0)
+            no_stash = self._pp or self._uses_lora
+            mst = 0 if no_stash else vllm_config.model_config.max_model_len
+        self._stash_tokens = mst
         for layer in layers:
             if getattr(layer, "use_attn_reduce_scatter_for_moe", False):
                 raise ValueError(
@@ -76,7 +92,7 @@ class UniPrefillModel:
                     "supported (it splits the token set UniPrefill compacts)"
                 )
         fam = self.family
-        for d in self.drop_layers:
+        for d in self._local_drops:
             attention = fam.attention(layers[d])
             # The front end read the layer kinds from the config; vLLM's module decides.
             if getattr(attention, "sliding_window", None) is not None:
@@ -104,11 +120,15 @@ class UniPrefillModel:
         self._segments_warm = not self._compiled
 
     def _build_segments(self) -> list[Segment]:
-        fam = self.family
+        """This rank's layers in segments between its drop layers (all layers without PP)."""
+        fam, inner = self.family, self.model  # type: ignore[attr-defined]
+        layers = inner.layers
+        start, end = getattr(inner, "start_layer", 0), getattr(inner, "end_layer", len(layers))
         return build_segments(
-            self.model.layers,  # type: ignore[attr-defined]
-            self.drop_layers,
-            self.model.norm,  # type: ignore[attr-defined]
+            layers[:end],
+            self._local_drops,
+            inner.norm if self._pp_last else None,
+            first=start,
             mixer=fam.layout.mixer,
             ffn=fam.layout.ffn,
             ffn_attrs_off=fam.layout.ffn_attrs_off,
@@ -167,9 +187,44 @@ class UniPrefillModel:
         warm_up(self, rt, max_num_reqs)
         return rt
 
-    def scoring_attention(self) -> Attention:
-        """The first drop layer's attention module (its heads are what the selection scores)."""
-        return self.family.attention(self.model.layers[self.drop_layers[0]])  # type: ignore[attr-defined]
+    def scoring_attention(self) -> Attention | None:
+        """The attention module of this rank's first drop layer (its heads are what the
+        selection scores); None on a pipeline rank without one."""
+        if not self._local_drops:
+            return None
+        return self.family.attention(self.model.layers[self._local_drops[0]])  # type: ignore[attr-defined]
+
+    def _make_empty_intermediate_tensors(
+        self, batch_size: int, dtype: torch.dtype, device: torch.device
+    ) -> Any:
+        """vLLM's receive buffers of a pipeline rank after the first, plus the walk's state
+        (``step.walk_carry``): vLLM copies every key of these from what the previous rank
+        sent, each sliced to the step's padded token count. (vLLM's model classes set
+        ``make_empty_intermediate_tensors`` on the instance: ``__init__`` wraps it.)"""
+        out = self._vllm_make_empty_intermediate_tensors(batch_size, dtype, device)
+        width = carry_width(len(self.drop_layers) + 1)
+        out.tensors[CARRY_KEY] = torch.full(
+            (batch_size, width), -1, dtype=torch.int64, device=device
+        )
+        return out
+
+    def _carry_buffer(self, rows: int, device: torch.device) -> torch.Tensor:
+        """-1s: what a step that does not drop sends (a persistent buffer)."""
+        width = carry_width(len(self.drop_layers) + 1)
+        if self._carry_unset is None or self._carry_unset.shape[0] < rows:
+            self._carry_unset = torch.full((rows, width), -1, dtype=torch.int64, device=device)
+        return self._carry_unset[:rows]
+
+    def _with_carry(self, out: Any, carry: torch.Tensor | None = None) -> Any:
+        """A rank before the last sends the walk's state in every step (vLLM's receiver
+        copies each key it expects); steps that do not drop send -1s."""
+        if self._pp_last:
+            return out
+        if carry is None:
+            rows = out["hidden_states"].shape[0]
+            carry = self._carry_buffer(rows, out["hidden_states"].device)
+        out.tensors[CARRY_KEY] = carry
+        return out
 
     # ---- forward --------------------------------------------------------------------------
     def forward(
@@ -195,32 +250,52 @@ class UniPrefillModel:
         rt = self.uniprefill
         fc = get_forward_context()
         if fc.attn_metadata is None:
-            return self._dummy_forward(dense, input_ids, positions, inputs_embeds)
+            return self._with_carry(
+                self._dummy_forward(
+                    dense, input_ids, positions, inputs_embeds, intermediate_tensors
+                )
+            )
         step = rt.step if rt is not None else None
         if step is None:
-            return dense()
+            return self._with_carry(dense())
         if step.slot_overrides:
             fc.slot_mapping.update(step.slot_overrides)
         if not step.dropping:
-            return dense()
-        if kwargs or intermediate_tensors is not None:
+            return self._with_carry(dense())
+        if kwargs:
             raise RuntimeError(f"uniprefill: unsupported model inputs {sorted(kwargs)}")
-        return self._dropping_forward(input_ids, positions, inputs_embeds)
+        return self._dropping_forward(input_ids, positions, inputs_embeds, intermediate_tensors)
 
     def _dropping_forward(
-        self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: Any
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: Any,
+        intermediate_tensors: Any = None,
+    ) -> Any:
         rt, inner, state = self.uniprefill, self.model, self.uniprefill_state  # type: ignore[attr-defined]
         assert rt is not None and state is not None
-        walk = rt.begin_walk(positions)
         lora = self._lora()
-        if lora is not None:
-            lora.begin(walk.plan.qlen0)
-        hidden = inputs_embeds if inputs_embeds is not None else inner.embed_input_ids(input_ids)
-        residual = None
+        if intermediate_tensors is None:
+            walk = rt.begin_walk(positions)
+            if lora is not None:
+                lora.begin(walk.plan.qlen0)
+            hidden = (
+                inputs_embeds if inputs_embeds is not None else inner.embed_input_ids(input_ids)
+            )
+            residual = None
+        else:  # a pipeline rank after the first (without LoRA: refused at start-up)
+            walk = rt.resume_walk(positions, intermediate_tensors[CARRY_KEY], self._first_stage)
+            kept = walk.positions.shape[-1]
+            hidden = intermediate_tensors["hidden_states"][:kept]
+            residual = intermediate_tensors["residual"][:kept]
+            if walk.stage > 0 and walk.needs_metadata():
+                state.stage_metadata(walk)
         self._dropping = True
         try:
-            for run_segment, drop in zip(self._segment_fns, (*self.drop_layers, None), strict=True):
+            for run_segment, drop in zip(
+                self._segment_fns, (*self._local_drops, None), strict=True
+            ):
                 hidden, residual = run_segment(walk.positions, hidden, residual)
                 if drop is not None:  # walk.positions shrinks here; the next stage starts
                     hidden, residual = rt.on_gather_point(drop, hidden, residual)
@@ -232,7 +307,14 @@ class UniPrefillModel:
             self._dropping = False
             if lora is not None:
                 lora.end()
-        return rt.finish_forward(hidden)
+        if self._pp_last:
+            return rt.finish_forward(hidden)
+        from vllm.sequence import IntermediateTensors
+
+        assert residual is not None
+        hidden, residual, carry = rt.finish_stage(hidden, residual)
+        out = IntermediateTensors({"hidden_states": hidden, "residual": residual})
+        return self._with_carry(out, carry)
 
     def _dummy_forward(
         self,
@@ -240,6 +322,7 @@ class UniPrefillModel:
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         inputs_embeds: Any,
+        intermediate_tensors: Any = None,
     ) -> Any:
         """vLLM's dummy runs (memory profile, warm-ups): no attention metadata.
 
@@ -252,13 +335,17 @@ class UniPrefillModel:
         try:
             out = dense()
             if reserve is not None or not self._segments_warm:
-                self._run_segments(input_ids, positions, inputs_embeds)
+                self._run_segments(input_ids, positions, inputs_embeds, intermediate_tensors)
             return out
         finally:
             del reserve
 
     def _run_segments(
-        self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: Any
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: Any,
+        intermediate_tensors: Any = None,
     ) -> None:
         """Run (and, the first time, compile) the segments, the later ones at their largest.
 
@@ -276,8 +363,16 @@ class UniPrefillModel:
             return
         t0 = time.perf_counter()
         inner = self.model  # type: ignore[attr-defined]
-        hidden = inputs_embeds if inputs_embeds is not None else inner.embed_input_ids(input_ids)
         residual: torch.Tensor | None = None
+        if intermediate_tensors is not None:  # a pipeline rank after the first
+            hidden, residual = (
+                intermediate_tensors["hidden_states"],
+                intermediate_tensors["residual"],
+            )
+        elif inputs_embeds is not None:
+            hidden = inputs_embeds
+        else:
+            hidden = inner.embed_input_ids(input_ids)
         first_run = not self._segments_warm
         self._segments_warm = True
         positions = positions.clone()  # as in _dropping_forward
@@ -327,6 +422,8 @@ class UniPrefillModel:
             return None
         cfg = self.uniprefill_config
         attn = self.scoring_attention()
+        if attn is None:  # a pipeline rank without a drop layer
+            return None
         vcfg = self.uniprefill_vllm_config
         hidden_size = vcfg.model_config.get_hidden_size()  # type: ignore[attr-defined]
         act_bytes = torch.empty(0, dtype=vcfg.model_config.dtype).element_size()  # type: ignore[attr-defined]
