@@ -141,8 +141,8 @@ def start(mdir: Path, a: argparse.Namespace, plugin: bool) -> tuple[Any, float]:
         kw["enforce_eager"] = True
     if plugin:
         options = mode_options(a.modes[0], None, a.own)
-        if a.free_kv_blocks:
-            options["free_kv_blocks"] = True
+        if a.free_kv_blocks is not None:
+            options["free_kv_blocks"] = a.free_kv_blocks
         kw["additional_config"] = {"uniprefill": options}
         if a.plugin_budget:
             kw["max_num_batched_tokens"] = a.plugin_budget
@@ -220,10 +220,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-mem-util", type=float, default=0.9)
     p.add_argument("--eager", action="store_true", help="enforce_eager in both engines")
-    p.add_argument(
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument(
         "--free-kv-blocks",
-        action="store_true",
-        help="UniPrefill engine with free_kv_blocks (dropped tokens' KV blocks go back)",
+        dest="free_kv_blocks",
+        action="store_const",
+        const=True,
+        help="free_kv_blocks true (refused for hybrids); unset: the plugin's default",
+    )
+    kv.add_argument(
+        "--keep-kv-blocks",
+        dest="free_kv_blocks",
+        action="store_const",
+        const=False,
+        help="free_kv_blocks false: dropped tokens' KV blocks stay with their request",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="runs per workload (median)")

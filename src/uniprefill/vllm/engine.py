@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from uniprefill.config import UniPrefillConfig, uniprefill_config
+from uniprefill.config import ENTRY, UniPrefillConfig, uniprefill_config
 from uniprefill.vllm import versions
 from uniprefill.vllm.families import FAMILIES, ModelFamily, architecture_of, family_for
 from uniprefill.vllm.lora import check_lora_settings
@@ -110,6 +110,7 @@ def check_vllm_config(
         raise ValueError("uniprefill: only generative models are supported (runner='generate')")
     family = family_for(model_config.architectures)
     _check_vllm_has(family, architecture_of(family, model_config.architectures))
+    cfg = _resolve_free_kv_blocks(vllm_config, cfg, family)
     cfg.check_schedule(family.resolve_drop_layers(model_config.hf_config, cfg.drop_layers))
     if not getattr(vllm_config, "use_v2_model_runner", True):
         raise ValueError(
@@ -135,8 +136,6 @@ def check_vllm_config(
         if not sched.disable_hybrid_kv_cache_manager:
             sched.disable_hybrid_kv_cache_manager = True
             logger.info("uniprefill: hybrid KV cache manager turned off (sliding window)")
-    if cfg.free_kv_blocks:
-        _check_free_kv_blocks(vllm_config, family)
     if vllm_config.cache_config.enable_prefix_caching:
         _use_publish_cap(vllm_config, cfg)
     elif cfg.free_kv_blocks:
@@ -228,17 +227,40 @@ def _use_scheduler(vllm_config: VllmConfig, why: str) -> None:
     sched.scheduler_cls = ours
 
 
-def _check_free_kv_blocks(vllm_config: VllmConfig, family: ModelFamily) -> None:
-    """free_kv_blocks: models whose every layer is full attention (docs/kv-blocks.md)."""
+def _resolve_free_kv_blocks(
+    vllm_config: VllmConfig, cfg: UniPrefillConfig, family: ModelFamily
+) -> UniPrefillConfig:
+    """free_kv_blocks: models whose every layer is full attention (docs/kv-blocks.md).
+
+    ``None`` means on wherever the model allows it (not under pipeline parallelism); the
+    decision is written into the engine's ``additional_config``, which the engine core
+    and workers parse again.
+    """
     model_config = vllm_config.model_config
-    if model_config.is_hybrid or family.has_sliding_window(model_config.hf_config):
+    hybrid = model_config.is_hybrid or family.has_sliding_window(model_config.hf_config)
+    if cfg.free_kv_blocks and hybrid:
         raise refuse(
             f"free_kv_blocks with {family.family}",
             "only models whose every layer is full attention (the Llama family) can give "
             "dropped KV blocks back; sliding-window and linear-attention hybrids would "
             "need stage specs and block managers of their own (docs/kv-blocks.md, "
-            "'Hybrid models'); leave free_kv_blocks false",
+            "'Hybrid models'); leave free_kv_blocks false (or null: on where allowed)",
         )
+    if cfg.free_kv_blocks is not None:
+        return cfg
+    pipeline = vllm_config.parallel_config.pipeline_parallel_size > 1
+    free = not (hybrid or pipeline)
+    entry = {**vllm_config.additional_config[ENTRY], "free_kv_blocks": free}
+    # A new dict: the caller's additional_config may serve other engines too.
+    vllm_config.additional_config = {**vllm_config.additional_config, ENTRY: entry}
+    why_off = "pipeline parallelism" if pipeline else f"{family.family} is a hybrid"
+    logger.info(
+        "uniprefill: free_kv_blocks null: %s",
+        "on (every layer is full attention)" if free else f"off ({why_off})",
+    )
+    resolved = uniprefill_config(vllm_config.additional_config)
+    assert resolved is not None and resolved.free_kv_blocks is free
+    return resolved
 
 
 # vLLM's two schedulers with UniPrefill's publish cap (scheduler.py), by async_scheduling.
