@@ -308,7 +308,7 @@ def test_freeing_changes_no_token_in_other_processes(tiny_llama: Path, monkeypat
     assert stats["restarted"] >= 1 and stats["chunked_prefills"] >= 1
 
 
-def test_free_kv_blocks_null_frees_where_allowed_and_true_is_refused_for_hybrids(
+def test_free_kv_blocks_null_default_frees_where_allowed_and_true_is_refused_for_hybrids(
     tiny_llama: Path, tiny_gemma3: Path
 ):
     from vllm.engine.arg_utils import EngineArgs
@@ -327,8 +327,12 @@ def test_free_kv_blocks_null_frees_where_allowed_and_true_is_refused_for_hybrids
         assert cfg.additional_config["uniprefill"] == {"top_p": 0.9, "free_kv_blocks": free}
         assert user == {"top_p": 0.9, "free_kv_blocks": None}
         assert (cfg.scheduler_config.scheduler_cls is not None) is free
-    off = config(tiny_llama, {}, enable_prefix_caching=False)  # the default: false
-    assert off.additional_config["uniprefill"] == {}
+    # The default is null: the Llama engine frees, the Gemma 3 one does not.
+    default = config(tiny_llama, {}, enable_prefix_caching=False)
+    assert default.additional_config["uniprefill"] == {"free_kv_blocks": True}
+    assert default.scheduler_config.scheduler_cls is not None
+    off = config(tiny_llama, {"free_kv_blocks": False}, enable_prefix_caching=False)
+    assert off.additional_config["uniprefill"] == {"free_kv_blocks": False}
     assert off.scheduler_config.scheduler_cls is None
     with pytest.raises(ValueError, match="free_kv_blocks with gemma3"):
         config(tiny_gemma3, {"free_kv_blocks": True})

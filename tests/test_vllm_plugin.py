@@ -645,10 +645,12 @@ def test_preempted_requests_repeat_their_drops(
     exactly what it decodes undisturbed; with a 256-token budget the first prefills
     and the recomputes come in chunks. Records are freed."""
     arch, path = arch_model
+    # KV blocks kept (40 do not hold one stage group each; freeing under preemption:
+    # tests/test_kv_blocks.py).
     llm = _llm(
         path,
         arch,
-        _drop_cfg(arch),
+        {**_drop_cfg(arch), "free_kv_blocks": False},
         num_gpu_blocks_override=40,
         block_size=32,
         max_model_len=1024,

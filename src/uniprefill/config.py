@@ -129,9 +129,10 @@ class UniPrefillConfig:
     compile_drop_steps: bool | None = None
     # Return the blocks of dropped tokens to vLLM's pool after each prefill (one
     # KV-cache group per stage; full-attention models, any executor, TP: docs/kv-blocks.md).
-    # None: on wherever the model allows it (the front end resolves it to a bool). Off
-    # by default until its GPU measurements with vLLM's multi-process engine core hold.
-    free_kv_blocks: bool | None = False
+    # None (the default): on wherever the model allows it (the front end resolves it to
+    # a bool). Since 2026-12-07: the GPU measurements with vLLM's multi-process engine
+    # core held (docs/benchmarks.md, "Freeing ... by default").
+    free_kv_blocks: bool | None = None
     enabled: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
