@@ -29,6 +29,9 @@ def test_bench_serving_smoke(tmp_path: Path):
         "1",
         "--modes",
         "keep0.5",
+        # Eager engines: the script is what is tested here (compiled segments are checked
+        # per family in test_vllm_plugin.py); two compiled engines cost CI ~2 minutes.
+        "--eager",
         "--out",
         str(tmp_path),
     ]
@@ -49,8 +52,7 @@ def test_bench_serving_smoke(tmp_path: Path):
         stats = ours["stats"]
         assert stats["dropped_prefills"] > 0 and stats["stash_full"] == 0
         assert stats["prepared_steps"] > 0 and stats["host_vllm_prepare_s"] > 0
-        # Compiled at start-up, never again (a recompile would stall a real engine).
-        assert stats["segment_graphs_compiled"] == len(stats["drop_layers"]) + 1
+        assert stats["compiled_drop_steps"] is False and stats["segment_graphs_compiled"] == 0
     assert doc["results"]["prefill"]["uniprefill keep0.5"]["stats"]["chunked_prefills"] > 0
     assert "| prefill | uniprefill keep0.5 |" in proc.stdout
 
