@@ -104,6 +104,8 @@ def test_calibrate_tiny_llama_end_to_end(tmp_path: Path, capfd: pytest.CaptureFi
         assert c["ci_low"] <= c["diff"] <= c["ci_high"]
         assert 0.0 < c["work_share"] <= 1.0
         assert [p["length"] for p in c["predictions"]] == [8192, 32768, 131072]
+        # Measured here, from each request's metrics: dense's summed TTFT over this one's.
+        assert c["ttft_s"] > 0 and c["ttft_speedup"] == result["dense"]["ttft_s"] / c["ttft_s"]
         for p in c["predictions"]:
             assert p["speedup_vs_eager"] > 0 and "H200" in p["source"]
     # A lower top_p never keeps more (same prompts, same engine).
@@ -119,6 +121,7 @@ def test_calibrate_tiny_llama_end_to_end(tmp_path: Path, capfd: pytest.CaptureFi
     out = captured.out
     assert "| top_p | score | diff vs dense [95% CI]" in out
     assert "H200 TTFT speedup vs vLLM at 8K / 32K / 128K" in out
+    assert "| TTFT here vs dense |" in out and "measured, not predicted" in out
     assert "recommended: top_p" in out and "serve it with: uniprefill serve" in out
     assert format_calibration(result) in out
     # Progress on stderr; the plot, or a clear message where matplotlib is missing.

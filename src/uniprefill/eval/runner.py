@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,8 @@ class EngineRun:
     # One entry per generate() call (per prompt when batch_size is 1).
     batch_seconds: list[float]
     batch_stats: list[dict[str, Any] | None]
+    # Each prompt's time to first token (vLLM's request metrics; None where it has none).
+    ttft_seconds: list[float | None] = field(default_factory=list)
 
 
 def start_engine(
@@ -132,7 +134,13 @@ def start_engine(
     """A ``vllm.LLM`` for ``path`` (eager, prefix caching off) and its start-up seconds."""
     from vllm import LLM
 
-    kwargs = {"enforce_eager": True, **llm_kwargs, "enable_prefix_caching": False}
+    # Stats on: each request's metrics then hold its time to first token.
+    kwargs = {
+        "enforce_eager": True,
+        "disable_log_stats": False,
+        **llm_kwargs,
+        "enable_prefix_caching": False,
+    }
     if additional_config is not None:
         kwargs["additional_config"] = additional_config
     # In-process engine core: faster start on CPU, and no spawn of a __main__-less caller.
@@ -185,6 +193,8 @@ def generate(
                 ids = out.outputs[0].token_ids
                 run.outputs.append(out.outputs[0].text)
                 run.first_tokens.append(int(ids[0]) if len(ids) else None)
+                latency = getattr(getattr(out, "metrics", None), "first_token_latency", None)
+                run.ttft_seconds.append(None if latency is None else float(latency))
             run.batch_seconds.append(time.perf_counter() - tb)
             now = read_stats(llm)
             run.batch_stats.append(stats_delta(now, last))
