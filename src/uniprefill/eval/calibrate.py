@@ -280,7 +280,12 @@ def run_calibration(
                 stop_engine(llm)
                 llm = None
             if llm is None:
-                llm, _ = start_engine(path, llm_kwargs=kw, additional_config={"uniprefill": cfg})
+                llm, _ = start_engine(
+                    path,
+                    llm_kwargs=kw,
+                    additional_config={"uniprefill": cfg},
+                    request_metrics=True,  # each prompt's TTFT
+                )
                 engine_plan = sched
             else:
                 switch_config(llm, cfg)  # one engine: the next step uses the new top_p

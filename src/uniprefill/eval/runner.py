@@ -129,18 +129,20 @@ class EngineRun:
 
 
 def start_engine(
-    path: Path, *, llm_kwargs: dict[str, Any], additional_config: dict[str, Any] | None
+    path: Path,
+    *,
+    llm_kwargs: dict[str, Any],
+    additional_config: dict[str, Any] | None,
+    request_metrics: bool = False,
 ) -> tuple[Any, float]:
-    """A ``vllm.LLM`` for ``path`` (eager, prefix caching off) and its start-up seconds."""
+    """A ``vllm.LLM`` for ``path`` (eager, prefix caching off) and its start-up seconds.
+    ``request_metrics``: vLLM's stats on, so each output's metrics hold its time to
+    first token (vLLM then also logs its throughput every few seconds)."""
     from vllm import LLM
 
-    # Stats on: each request's metrics then hold its time to first token.
-    kwargs = {
-        "enforce_eager": True,
-        "disable_log_stats": False,
-        **llm_kwargs,
-        "enable_prefix_caching": False,
-    }
+    kwargs = {"enforce_eager": True, **llm_kwargs, "enable_prefix_caching": False}
+    if request_metrics:  # unless the caller's llm_kwargs say otherwise
+        kwargs.setdefault("disable_log_stats", False)
     if additional_config is not None:
         kwargs["additional_config"] = additional_config
     # In-process engine core: faster start on CPU, and no spawn of a __main__-less caller.
