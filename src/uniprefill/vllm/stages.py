@@ -121,9 +121,11 @@ def slot_mapping(
     """KV slot of every token: row r's j-th token goes to index ``num_computed[r] + j``.
 
     ``num_computed`` [R] fills ``out`` [n]; [S, R] (one row of lengths per stage)
-    fills ``out`` [S, n] in the same few device ops. ``out`` is filled whole; tokens
-    past the last row get -1 (vLLM's pad slot, the KV write skips them). Device ops
-    only, no host sync: safe before a graph replay.
+    fills ``out`` [S, n] in the same few device ops; with ``block_table`` [S, R, M]
+    too (one table per row of lengths: every stage group at once) each row reads its
+    own table. ``out`` is filled whole; tokens past the last row get -1 (vLLM's pad
+    slot, the KV write skips them). Device ops only, no host sync: safe before a graph
+    replay.
     """
     n = out.shape[-1]
     if n == 0:
@@ -136,7 +138,12 @@ def slot_mapping(
     row = row.clamp(max=max(num_reqs - 1, 0))
     index = num_computed[..., row].to(torch.int64) + (tok - qsl[row])
     index = index.clamp(min=0)
-    block = block_table[row, index // kernel_block_size].to(torch.int64)
+    col = index // kernel_block_size
+    if block_table.dim() == 3:  # [S, R, M]: row s of the lengths reads table s
+        which = torch.arange(block_table.shape[0], device=dev)[:, None]
+        block = block_table[which, row, col].to(torch.int64)
+    else:
+        block = block_table[row, col].to(torch.int64)
     slots = block * kernel_block_size + index % kernel_block_size
     return out.copy_(torch.where(real, slots, -1))
 
