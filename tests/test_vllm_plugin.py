@@ -603,7 +603,8 @@ def test_prefix_cache_settings(tiny_llama: Path, tiny_qwen3_next: Path):
 
     cfg = _engine_config(tiny_llama, {}, enable_prefix_caching=True)
     assert cfg.scheduler_config.scheduler_cls in SCHEDULERS.values()
-    off = _engine_config(tiny_llama, {}, enable_prefix_caching=False)
+    # Without prefix caching only free_kv_blocks (on by default here) needs the scheduler.
+    off = _engine_config(tiny_llama, {"free_kv_blocks": False}, enable_prefix_caching=False)
     assert off.scheduler_config.scheduler_cls is None
     with pytest.raises(ValueError, match="scheduler_cls"):
         _engine_config(tiny_llama, {}, enable_prefix_caching=True, scheduler_cls="my.Scheduler")
