@@ -137,7 +137,7 @@ def start_engine(
 ) -> tuple[Any, float]:
     """A ``vllm.LLM`` for ``path`` (eager, prefix caching off) and its start-up seconds.
     ``request_metrics``: vLLM's stats on, so each output's metrics hold its time to
-    first token (vLLM then also logs its throughput every few seconds)."""
+    first token."""
     from vllm import LLM
 
     kwargs = {"enforce_eager": True, **llm_kwargs, "enable_prefix_caching": False}
