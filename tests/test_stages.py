@@ -184,7 +184,7 @@ def test_decode_fill_of_stage_groups_matches_one_group_at_a_time():
     freeing = types.SimpleNamespace(
         groups=(1, 2),
         group_ids=torch.tensor([1, 2]),
-        stage_of_group=torch.tensor([1, 2]),
+        stage_rows=torch.tensor([0, 1]),
         stacked=torch.stack([tables[1], tables[2]]),
     )
     bufs = types.SimpleNamespace(

@@ -130,9 +130,10 @@ class KVBlockFreeing:
         # The last remap's tables, stacked [groups, rows, blocks] (the slots of every
         # stage group come from them in one computation).
         self.stacked: torch.Tensor | None = None
-        # Each stage group's id and stage (1-based), on the device (its row of lengths).
+        # Each stage group's id, and its row in the per-stage lengths (stage - 1), on the
+        # device once: the decode fill indexes with them at every step.
         self.group_ids = torch.tensor(self.groups, device=device)
-        self.stage_of_group = torch.tensor(self._stage, device=device)
+        self.stage_rows = torch.tensor(self._stage - 1, device=device)
         self._ranged: set[str] = set()  # requests with freed ranges here
         self.pending: list[KeptRecord] = []  # for the step's ModelRunnerOutput
         self.blocks_freed = 0  # freed by the scheduler, as its notices say

@@ -292,19 +292,18 @@ class UniPrefillStateMixin:
             if freeing is not None and freeing.stacked is not None:
                 # One stage per stage group: each group's slots from its own stage's
                 # lengths and its remapped table, all groups in one computation.
-                stage_idx = freeing.stage_of_group - 1
                 group_slots = torch.empty(
                     (len(freeing.groups), num_tokens), dtype=slots.dtype, device=slots.device
                 )
                 slot_mapping(
                     freeing.stacked,
                     bufs.block_size[freeing.groups[0]],
-                    ctx[stage_idx],
+                    ctx[freeing.stage_rows],
                     qsl,
                     num_reqs,
                     group_slots,
                 )
-                slots[stage_idx, freeing.group_ids] = group_slots
+                slots[freeing.stage_rows, freeing.group_ids] = group_slots
             else:
                 for gid, block_size in bufs.block_size.items():
                     slot_mapping(block_tables[gid], block_size, ctx, qsl, num_reqs, slots[:, gid])
