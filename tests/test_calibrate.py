@@ -217,12 +217,22 @@ def test_a_compared_schedule_is_named_in_the_recommendation() -> None:
         (["--schedule", "1,3", "--schedule", "1,3"], "a schedule is given twice"),
         (["--schedule", ","], "an empty schedule"),
         (["--schedule", "3,1"], "drop_layers"),
+        (["--schedule", "auto", "--schedule", "1,3"], "--schedule auto: give it alone"),
+        (["--schedule", "auto", "--drop-layers", "2"], "--schedule and --drop-layers"),
     ],
 )
 def test_calibrate_refuses_bad_schedules_before_starting(argv, message, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["calibrate", "llama", *argv])
     assert message in str(exc.value)
+
+
+def test_schedule_auto_gives_the_familys_candidates(tiny_model) -> None:
+    """``--schedule auto`` on a checkpoint: its family's default, then the earlier one."""
+    from uniprefill.eval.calibrate import auto_schedules
+
+    assert auto_schedules(tiny_model("gemma3")) == [(5,), (2,)]
+    assert auto_schedules(tiny_model("llama")) == [(1, 2, 3, 4)]  # both rules agree
 
 
 def test_calibrate_compares_schedules_on_the_tiny_llama(tmp_path: Path, capfd) -> None:

@@ -13,6 +13,7 @@ from uniprefill.vllm.families import (
     LINEAR,
     SLIDING,
     by_depth,
+    early,
     family_for,
     family_named,
     full_between_60_and_86,
@@ -45,6 +46,21 @@ def test_the_papers_schedules():
     # GPT-OSS-20B shape (24 layers, full at odd layers): full layers between 60% and 86%.
     gpt_oss = [SLIDING if i % 2 == 0 else FULL for i in range(24)]
     assert full_between_60_and_86(gpt_oss) == (15, 17, 19)
+
+
+def test_the_early_schedule_calibrate_compares():
+    """``--schedule auto``'s second candidate: Qwen2.5-Coder-1.5B's measured 2, 5, 8, 12,
+    16, 20 of 28, the same fractions elsewhere, snapped to full-attention layers."""
+    assert early([FULL] * 28) == (2, 5, 8, 12, 16, 20)
+    assert early([FULL] * 32) == (2, 6, 9, 14, 18, 23)
+    gemma3_12b = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(48)]
+    assert early(gemma3_12b) == (5, 11, 23, 29, 35)  # nearest full layers, each once
+    assert early([SLIDING] * 8) == ()
+    qwen2 = family_named("qwen2")
+    cfg = SimpleNamespace(num_hidden_layers=28, layer_types=None, sliding_window=None)
+    assert qwen2.candidate_schedules(cfg) == [(6, 10, 13, 17, 20, 24), (2, 5, 8, 12, 16, 20)]
+    cfg.num_hidden_layers = 6  # both rules give 1, 2, 3, 4: compared once
+    assert qwen2.candidate_schedules(cfg) == [(1, 2, 3, 4)]
 
 
 def test_layer_kinds_come_from_the_config():

@@ -18,6 +18,10 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _schedule(text: str) -> list[int] | str:
+    return text.strip() if text.strip() == "auto" else _ints(text)
+
+
 def _ratios(text: str) -> float | list[float]:
     values = [float(x) for x in text.split(",") if x.strip()]
     return values[0] if len(values) == 1 else values
@@ -172,12 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.add_argument(
         "--schedule",
-        type=_ints,
+        type=_schedule,
         action="append",
         default=[],
         metavar="LAYERS",
         help="a drop schedule to compare, e.g. 4,8,12,16,20,24 (repeat the option: one engine "
-        "each; the recommendation then names the schedule too)",
+        "each; the recommendation then names the schedule too), or 'auto': the family "
+        "default and an earlier schedule",
     )
     cal.add_argument("--json", type=Path, help="write the full result here")
     cal.add_argument("--plot", type=Path, help="write a PNG (needs matplotlib: the bench extra)")

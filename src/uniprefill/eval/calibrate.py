@@ -16,7 +16,8 @@ setting it reports
 and recommends the fastest setting whose loss stays within a budget (default 0.5 points).
 With ``schedules`` (``--schedule``, repeated) it compares drop schedules too: one engine
 per schedule (the dense pass runs once, in the first), and the recommendation names the
-schedule as well as ``top_p``.
+schedule as well as ``top_p``. ``--schedule auto`` compares the family default with an
+earlier schedule (:meth:`uniprefill.vllm.families.ModelFamily.candidate_schedules`).
 Prompts are the RULER-style suite (:mod:`uniprefill.eval.ruler`) or a JSONL file of
 ``{"prompt": ..., "answers": [...]}`` (answers optional: without them a prompt scores 1
 when UniPrefill's output equals the dense output exactly).
@@ -154,21 +155,38 @@ def _model_info(path: Path) -> dict[str, Any]:
     }
 
 
+def auto_schedules(path: Path) -> list[tuple[int, ...]]:
+    """``--schedule auto``: the family default and, where it differs, an earlier one."""
+    from transformers import AutoConfig
+
+    from uniprefill.vllm.families import family_for
+
+    hf_config = AutoConfig.from_pretrained(str(path))
+    return family_for(hf_config.architectures).candidate_schedules(hf_config)
+
+
 def _label(top_p: float) -> str:
     return "dense" if top_p >= 1.0 else f"top_p={top_p:g}"
 
 
+AUTO = "auto"  # --schedule auto: the model family's candidate schedules
+
+
 def check_schedules(
-    schedules: Sequence[Sequence[int]], config: dict[str, Any]
+    schedules: Sequence[Sequence[int] | str], config: dict[str, Any]
 ) -> list[tuple[int, ...]]:
     """The drop schedules to compare, each checked with the other options ``config``
     (``ValueError`` naming ``--schedule``): none empty or given twice, and not beside
-    ``drop_layers``."""
+    ``drop_layers``; ``auto`` alone (resolved once the model is known: ``[]`` here)."""
     from uniprefill.config import UniPrefillConfig
 
-    plans = [tuple(int(x) for x in sched) for sched in schedules]
-    if plans and "drop_layers" in config:
+    if schedules and "drop_layers" in config:
         raise ValueError("--schedule and --drop-layers: give the schedules with --schedule")
+    if AUTO in schedules:
+        if len(schedules) > 1:
+            raise ValueError("--schedule auto: give it alone (it picks the schedules itself)")
+        return []
+    plans = [tuple(int(x) for x in sched) for sched in schedules]
     if len(set(plans)) != len(plans):
         raise ValueError(f"--schedule: a schedule is given twice ({plans})")
     for plan in plans:
@@ -196,14 +214,14 @@ def run_calibration(
     progress: bool = True,
     log: TextIO | None = None,
     on_pass: Callable[[dict[str, Any]], None] | None = None,
-    schedules: Sequence[Sequence[int]] = (),
+    schedules: Sequence[Sequence[int] | str] = (),
 ) -> dict[str, Any]:
     """Run the grid and return the calibration (what ``--json`` writes).
 
-    ``schedules``: drop schedules to compare (one engine each); empty: the configured
-    ``drop_layers`` or the family's default. ``on_pass`` gets the calibration of the
-    settings done so far after each pass, so a long run that is cut off keeps what it
-    measured."""
+    ``schedules``: drop schedules to compare (one engine each), or ``["auto"]`` (the
+    family's candidates); empty: the configured ``drop_layers`` or the family's default.
+    ``on_pass`` gets the calibration of the settings done so far after each pass, so a
+    long run that is cut off keeps what it measured."""
     from transformers import AutoTokenizer
 
     from uniprefill.testing import ARCHS
@@ -227,6 +245,8 @@ def run_calibration(
 
     path, arch_kwargs = resolve_model(model)
     info = _model_info(path)
+    if AUTO in schedules:
+        plans = check_schedules(auto_schedules(path), base)
     counter = token_counter(AutoTokenizer.from_pretrained(str(path)))
     if prompts_file is not None:
         prompts = file_prompts(prompts_file, counter, max_new_tokens)
@@ -562,6 +582,11 @@ def format_calibration(result: dict[str, Any]) -> str:
                 value = ",".join(map(str, value))
             flags.append(f"--{key.replace('_', '-')} {value}")
         lines.append(f"serve it with: uniprefill serve {result['model_path']} " + " ".join(flags))
+        if not compared:
+            lines.append(
+                "schedule: the family default only; --schedule auto also tries an earlier one "
+                "(on Qwen2.5-Coder-1.5B it kept the accuracy with less work: docs/accuracy.md)"
+            )
     if fam:
         lines += [
             "",
