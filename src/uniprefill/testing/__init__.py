@@ -1,6 +1,6 @@
 """Test helpers: tiny randomly initialised models of the supported architectures, built offline."""
 
-from uniprefill.testing.engines import shutdown_engine
+from uniprefill.testing.engines import shutdown_engine, tiny_llm
 from uniprefill.testing.tiny_models import (
     ARCHS,
     assert_varied_greedy,
@@ -23,6 +23,7 @@ __all__ = [
     "greedy_tokens",
     "random_prompt",
     "shutdown_engine",
+    "tiny_llm",
     "tiny_config",
     "tiny_drop_layers",
     "vllm_kwargs",

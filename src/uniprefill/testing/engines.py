@@ -1,9 +1,35 @@
-"""Shutting a test's vLLM engine down."""
+"""A test's vLLM engine: started with the suite's shared settings, shut down cleanly."""
 
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 from typing import Any
+
+
+def tiny_llm(
+    path: str | Path, arch: str, uniprefill: dict[str, Any] | None = None, **overrides: Any
+) -> Any:
+    """A ``vllm.LLM`` on a tiny model with the suite's settings: eager, 2048 tokens per
+    step and of context, prefix caching off, seed 0, the family's dtype (``vllm_kwargs``);
+    ``uniprefill`` (None: plugin off) goes into ``additional_config``; ``overrides``
+    replace or add engine arguments (LoRA slots, a speculative config, parallelism)."""
+    import vllm
+
+    from uniprefill.testing.tiny_models import vllm_kwargs
+
+    kwargs: dict[str, Any] = {
+        "enforce_eager": True,
+        "max_model_len": 2048,
+        "max_num_batched_tokens": 2048,
+        "enable_prefix_caching": False,
+        "seed": 0,
+        **vllm_kwargs(arch),
+        **overrides,
+    }
+    if uniprefill is not None:
+        kwargs["additional_config"] = {"uniprefill": uniprefill}
+    return vllm.LLM(str(path), **kwargs)
 
 
 def shutdown_engine(llm: Any) -> None:
