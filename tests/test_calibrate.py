@@ -123,6 +123,7 @@ def test_calibrate_tiny_llama_end_to_end(tmp_path: Path, capfd: pytest.CaptureFi
     assert "H200 TTFT speedup vs vLLM at 8K / 32K / 128K" in out
     assert "| TTFT here vs dense |" in out and "measured, not predicted" in out
     assert "recommended: top_p" in out and "serve it with: uniprefill serve" in out
+    assert "schedule: the family default only; --schedule auto" in out
     assert format_calibration(result) in out
     # Progress on stderr; the plot, or a clear message where matplotlib is missing.
     assert "[7/7] top_p=0.999" in captured.err
@@ -253,3 +254,4 @@ def test_calibrate_compares_schedules_on_the_tiny_llama(tmp_path: Path, capfd) -
     assert result["recommended"]["drop_layers"] in ([1, 3], [2, 4])
     assert "[1/5] dense ..." in captured.err and "[5/5] layers 2,4 top_p=0.99" in captured.err
     assert "serve it with: uniprefill serve" in captured.out and "--drop-layers" in captured.out
+    assert "--schedule auto also tries" not in captured.out  # they were compared
