@@ -227,3 +227,17 @@ def test_decode_fill_of_stage_groups_matches_one_group_at_a_time():
     # rows of the other stage, are left as they were (a loop over groups fills them all).
     assert (bufs.slots[:, 0] == -7).all()
     assert (bufs.slots[1, 1] == -7).all() and (bufs.slots[0, 2] == -7).all()
+
+
+def test_only_a_drafters_layers_may_be_outside_the_model():
+    """A KV-cache group's layer that is not a module of the model stays in no stage when
+    a drafter is configured (an EAGLE head's layer), and is an error otherwise."""
+    from uniprefill.vllm.model_state import _is_own_layer
+
+    own = frozenset({"model.layers.0.self_attn.attn"})
+    with_drafter = types.SimpleNamespace(speculative_config=object())
+    alone = types.SimpleNamespace(speculative_config=None)
+    assert _is_own_layer(own, alone, "model.layers.0.self_attn.attn")
+    assert not _is_own_layer(own, with_drafter, "model.layers.4.self_attn.attn")
+    with pytest.raises(RuntimeError, match="not a module of the model"):
+        _is_own_layer(own, alone, "model.layers.4.self_attn.attn")

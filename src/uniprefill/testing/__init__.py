@@ -4,6 +4,7 @@ from uniprefill.testing.engines import shutdown_engine, tiny_llm
 from uniprefill.testing.tiny_models import (
     ARCHS,
     assert_varied_greedy,
+    build_tiny_eagle_drafter,
     build_tiny_model,
     build_tiny_tokenizer,
     cached_tiny_model,
@@ -17,6 +18,7 @@ from uniprefill.testing.tiny_models import (
 __all__ = [
     "ARCHS",
     "assert_varied_greedy",
+    "build_tiny_eagle_drafter",
     "build_tiny_model",
     "build_tiny_tokenizer",
     "cached_tiny_model",

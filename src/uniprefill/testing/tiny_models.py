@@ -304,3 +304,46 @@ def cached_tiny_model(arch: Arch, *, root: Path | None = None, **kw: Any) -> Pat
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def build_tiny_eagle_drafter(target: Path, out_dir: Path, *, seed: int = 0) -> Path:
+    """An EAGLE(-1) drafter for the tiny Llama ``target``, in vLLM's EAGLE checkpoint
+    layout (``fc`` plus one decoder layer; embeddings and LM head shared with the target).
+
+    Its ``fc`` passes the target's hidden state through and its layer adds nothing
+    (zero output projections), so each draft is the target's own greedy token at the
+    previous position: a drafter that is right whenever the output repeats a token,
+    which makes accepted drafts predictable without training one.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(target) / "config.json").read_text())
+    if config.get("model_type") != "llama":
+        raise ValueError(f"build_tiny_eagle_drafter needs a tiny Llama, not {target}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drafter = {**config, "num_hidden_layers": 1, "architectures": ["EagleLlamaForCausalLM"]}
+    (out_dir / "config.json").write_text(json.dumps(drafter, indent=1))
+    h, ffn = config["hidden_size"], config["intermediate_size"]
+    q, kv = (config[k] * config["head_dim"] for k in ("num_attention_heads", "num_key_value_heads"))
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.1
+
+    layer = "layers.0."
+    weights = {
+        # fc([embedding, hidden]) = hidden
+        "fc.weight": torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1),
+        layer + "self_attn.q_proj.weight": rand(q, h),
+        layer + "self_attn.k_proj.weight": rand(kv, h),
+        layer + "self_attn.v_proj.weight": rand(kv, h),
+        layer + "self_attn.o_proj.weight": torch.zeros(h, q),
+        layer + "post_attention_layernorm.weight": torch.ones(h),
+        layer + "mlp.gate_proj.weight": rand(ffn, h),
+        layer + "mlp.up_proj.weight": rand(ffn, h),
+        layer + "mlp.down_proj.weight": torch.zeros(h, ffn),
+    }
+    save_file(weights, str(out_dir / "model.safetensors"))
+    return out_dir

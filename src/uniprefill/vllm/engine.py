@@ -168,30 +168,40 @@ def _check_data_parallel(vllm_config: VllmConfig) -> None:
 
 # The n-gram (prompt lookup) methods: drafts come from the request's token ids only.
 NGRAM_METHODS = ("ngram", "ngram_gpu")
+# EAGLE(-1) heads: a drafter of its own (not UniPrefill's class) fed with the target's
+# last hidden states, which a dropping prefill leaves as zeros at dropped tokens.
+HIDDEN_STATE_METHODS = ("eagle",)
 
 
 def _check_speculative(vllm_config: VllmConfig) -> None:
-    """Speculative decoding: the n-gram methods only, where V2 has their speculator.
+    """Speculative decoding: n-gram drafts (where V2 has their speculator) and EAGLE.
 
     Verification steps are decode steps of k+1 tokens per request, which UniPrefill
-    runs with each stage's own KV lengths like any decode; the n-gram drafter reads
-    token ids only, never the target's hidden states (docs/usage.md).
+    runs with each stage's own KV lengths like any decode. The n-gram drafter reads
+    token ids only; an EAGLE drafter runs its own layers over the whole prompt with
+    the target's last hidden states, zeros at dropped tokens (docs/usage.md).
     """
     spec = vllm_config.speculative_config
     if spec is None:
         return
     method = spec.method
-    if method not in NGRAM_METHODS:
+    if method == "eagle3":
+        raise refuse(
+            "speculative decoding with method='eagle3'",
+            "EAGLE-3 drafters read the hidden states of intermediate target layers "
+            "(aux_hidden_state_layers), which UniPrefill's dropping forward does not "
+            "return at every prompt position; EAGLE-1 (method='eagle') and the n-gram "
+            "methods are supported",
+        )
+    if method not in NGRAM_METHODS + HIDDEN_STATE_METHODS:
         raise refuse(
             f"speculative decoding with method={method!r}",
-            "only the n-gram methods (ngram, ngram_gpu) are supported: a model-based "
-            "drafter (EAGLE, MTP, DFlash, a draft model) reads the target's hidden states "
-            "at every prompt position, which a dropping prefill leaves as zeros for "
-            "dropped tokens, or runs its own prefill of the prompt with the target's "
-            "architecture (UniPrefill's model class would drop in it too); neither is "
-            "tested (no draft model can be built offline)",
+            "UniPrefill runs the n-gram methods (ngram, ngram_gpu) and EAGLE-1 (eagle). "
+            "MTP heads, DFlash and DSpark are not tested (no such head of a supported "
+            "family is built here); a separate draft model of the target's architecture "
+            "would load UniPrefill's model class and drop in its own prefill",
         )
-    if not versions.has_v2_ngram_speculator():
+    if method in NGRAM_METHODS and not versions.has_v2_ngram_speculator():
         import vllm
 
         raise refuse(

@@ -55,6 +55,18 @@ def model_state_class(vllm_config: VllmConfig) -> type:
     return _CLASSES[base]
 
 
+def _is_own_layer(own_layers: frozenset[str], vllm_config: VllmConfig, name: str) -> bool:
+    """Whether a KV-cache group's layer is the model's; only a drafter's may not be."""
+    if name in own_layers:
+        return True
+    if vllm_config.speculative_config is None:
+        raise RuntimeError(
+            f"uniprefill: KV-cache layer {name!r} is not a module of the model and no "
+            "drafter is configured; its stage cannot be told"
+        )
+    return False
+
+
 class _StageBuffers:
     """Per-stage lengths, slots and builders that outlive a step (graphs read them)."""
 
@@ -64,6 +76,7 @@ class _StageBuffers:
         attn_groups: list[list[AttentionGroup]],
         vllm_config: VllmConfig,
         device: torch.device,
+        own_layers: frozenset[str],
     ) -> None:
         from vllm.v1.kv_cache_interface import AttentionSpec
 
@@ -73,6 +86,7 @@ class _StageBuffers:
             lambda spec: isinstance(spec, AttentionSpec),
             vllm_config,
             device,
+            is_own=functools.partial(_is_own_layer, own_layers, vllm_config),
         )
         sched = vllm_config.scheduler_config
         num_stages, num_groups = len(runtime.drop_layers), len(attn_groups)
@@ -142,6 +156,8 @@ class UniPrefillStateMixin:
             self, self.device, vllm_config.scheduler_config.max_num_seqs
         )
         self._stage_buffers: _StageBuffers | None = None
+        # The model's module names: a KV-cache group may also hold a drafter's layers.
+        self._own_layers = frozenset(name for name, _ in model.named_modules())
         # What the step that drops needs for its later stages' metadata (prepare_attn's
         # build function and arguments), until the next step is prepared.
         self._step_inputs: (
@@ -205,7 +221,9 @@ class UniPrefillStateMixin:
             return meta
         t0 = time.perf_counter()
         if self._stage_buffers is None:
-            self._stage_buffers = _StageBuffers(rt, attn_groups, self.vllm_config, self.device)
+            self._stage_buffers = _StageBuffers(
+                rt, attn_groups, self.vllm_config, self.device, self._own_layers
+            )
         bufs = self._stage_buffers
         full_graph = cudagraph_mode == CUDAGraphMode.FULL
         num_reqs = input_batch.num_reqs

@@ -163,8 +163,14 @@ def split_groups(
     is_paged: Callable[[Any], bool],
     vllm_config: VllmConfig,
     device: torch.device,
+    is_own: Callable[[str], bool] = lambda name: True,
 ) -> list[StageGroups]:
-    """Stage 1..S copies of the runner's attention groups, restricted to their layers."""
+    """Stage 1..S copies of the runner's attention groups, restricted to their layers.
+
+    Layers that are not the model's own (``is_own``: an EAGLE drafter's, which vLLM
+    puts in the target's KV-cache groups) stay in no stage: the drafter runs over the
+    whole prompt with vLLM's own metadata (docs/usage.md, "Speculative decoding").
+    """
     stages = [
         StageGroups([[] for _ in attn_groups], [[] for _ in attn_groups], {}) for _ in drop_layers
     ]
@@ -172,7 +178,7 @@ def split_groups(
         for group in groups:
             kernel_block_size = group.get_metadata_builder(0).kv_cache_spec.block_size
             by_stage: dict[int, list[str]] = {}
-            for name in group.layer_names:
+            for name in filter(is_own, group.layer_names):
                 s = stage_of_layer(layer_index(name), drop_layers)
                 if s > 0:
                     by_stage.setdefault(s, []).append(name)
