@@ -105,7 +105,12 @@ def hf_greedy(path: Path, batch: list[list[int]], drops: bool) -> list[list[int]
     return [greedy_with_drops(model, p, MAX_TOKENS, layers, **sel)[0] for p in batch]
 
 
-def in_process_llm(path: Path, uniprefill: dict[str, Any] | None, spec: dict[str, Any]) -> Any:
+def in_process_llm(
+    path: Path,
+    uniprefill: dict[str, Any] | None,
+    spec: dict[str, Any] | None,
+    arch: str = ARCH,
+) -> Any:
     """An engine whose engine core and worker run in this process, on the V2 runner."""
     import vllm.envs as envs
 
@@ -114,11 +119,11 @@ def in_process_llm(path: Path, uniprefill: dict[str, Any] | None, spec: dict[str
         mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
         llm = tiny_llm(
             path,
-            ARCH,
+            arch,
             uniprefill,
             max_model_len=1024,
             max_num_batched_tokens=1024,
-            speculative_config=dict(spec),
+            speculative_config=dict(spec) if spec is not None else None,
             disable_log_stats=False,  # vLLM's speculative-decoding counters
         )
     getattr(envs, "disable_envs_cache", lambda: None)()

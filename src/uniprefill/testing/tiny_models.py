@@ -347,3 +347,42 @@ def build_tiny_eagle_drafter(target: Path, out_dir: Path, *, seed: int = 0) -> P
     }
     save_file(weights, str(out_dir / "model.safetensors"))
     return out_dir
+
+
+def build_tiny_mtp_model(target: Path, out_dir: Path) -> Path:
+    """The tiny Qwen3-Next ``target`` with one MTP head (``num_nextn_predict_layers`` 1,
+    ``mtp.*`` weights in its checkpoint), for ``speculative_config={"method": "mtp"}``.
+
+    The head's decoder layer is the target's last full-attention layer with its
+    output projections zeroed (it adds nothing), its ``fc`` passes the (normed) hidden
+    state through and its norms scale by one (Qwen3-Next's multiply by 1 + weight):
+    each draft is the target's own greedy token at the previous position, right
+    whenever the output repeats a token (as ``build_tiny_eagle_drafter``'s).
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((Path(target) / "config.json").read_text())
+    if config.get("model_type") != "qwen3_next":
+        raise ValueError(f"build_tiny_mtp_model needs a tiny Qwen3-Next, not {target}")
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    shutil.copytree(target, out_dir)
+    config["num_nextn_predict_layers"] = 1
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
+    checkpoint = next(out_dir.glob("*.safetensors"))
+    weights = load_file(str(checkpoint))
+    h = config["hidden_size"]
+    full = max(i for i, t in enumerate(config["layer_types"]) if t == "full_attention")
+    source = f"model.layers.{full}."
+    for name in [n for n in weights if n.startswith(source)]:
+        copy = weights[name].clone()
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            copy.zero_()
+        weights["mtp.layers.0." + name[len(source) :]] = copy
+    weights["mtp.fc.weight"] = torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1)
+    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        weights[f"mtp.{norm}.weight"] = torch.zeros(h)
+    save_file(weights, str(checkpoint), metadata={"format": "pt"})
+    return out_dir

@@ -15,7 +15,7 @@ releases it supports, and how this module bridges it:
   field's role is in ``stages.BATCH_FIELDS``.
 * speculative decoding: 0.32 has an n-gram speculator in runner V2
   (``spec_decode/ngram``); 0.26 - 0.28's V2 runs model-based drafters only (EAGLE,
-  MTP, DFlash), of which UniPrefill runs EAGLE: :func:`has_v2_ngram_speculator`.
+  MTP, DFlash), of which UniPrefill runs EAGLE and MTP: :func:`has_v2_ngram_speculator`.
 * the model-state class vLLM picks: 0.32+ have ``resolve_model_state_cls``; 0.26 -
   0.28 pick inside ``init_model_state``, which UniPrefill mirrors for its families:
   :func:`base_model_state_class`.
