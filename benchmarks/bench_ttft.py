@@ -52,6 +52,7 @@ from common import (  # noqa: E402
     hf_config,
     log,
     mode_options,
+    model_drop_layers,
     replayed,
     wait_gpu_free,
 )
@@ -169,7 +170,8 @@ class Sweep:
             seed=0,
             dtype=a.dtype,
             additional_config={
-                "uniprefill": mode_config("dense", spec["drop_layers"]) | {"top_p": 0.99}
+                "uniprefill": mode_config("dense", model_drop_layers(name, a.drop_layers))
+                | {"top_p": 0.99}
             },
         )
         if a.vllm_default_budget:
@@ -223,7 +225,6 @@ class Sweep:
         from uniprefill.vllm.stats import collect
 
         a = self.args
-        spec = MODELS[name]
         root = Path(a.model_root)
         mdir = build_model_dir(name, root, max(a.lengths) + 64, a.dtype)
         num_layers = int(hf_config(name, 0).num_hidden_layers)
@@ -250,7 +251,7 @@ class Sweep:
         failed: set[str] = set()
         sp = vllm.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
         try:
-            info = self.set_mode(llm, "dense", spec["drop_layers"])
+            info = self.set_mode(llm, "dense", model_drop_layers(name, a.drop_layers))
             drop_layers = info["drop_layers"]
             self.doc["models"][name]["drop_layers"] = drop_layers
             log(f"{name}: drop layers {drop_layers}")

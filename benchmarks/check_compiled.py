@@ -12,6 +12,9 @@ compares the tokens:
   buffers a FULL graph reads must hold what the step needs;
 * ``keep_eager`` (enforce_eager): reported, not required equal (other kernels).
 
+With ``--eagle K`` every engine drafts K tokens with an EAGLE head (dummy weights, so
+few drafts are accepted; what is checked is that verification steps, the drafter's
+prompt pass and its FULL graphs leave the tokens as the checks above require).
 With ``--tp 2`` every engine runs tensor parallel, and each rank's drop counters are
 read: the ranks must keep the same tokens at every drop layer (``ranks agree``). With
 ``--pp 2`` every engine runs two pipeline stages; the tensor-parallel ranks of each
@@ -36,6 +39,11 @@ from common import LOG_PREFIX, build_model_dir, close_llm, log, random_prompts  
 
 LOG_PREFIX[0] = "check_compiled"
 ENGINES = ("plain", "p1", "keep", "keep_pw", "keep_eager")
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
 
 
 def engine_kwargs(name: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -65,6 +73,13 @@ def engine_kwargs(name: str, a: argparse.Namespace) -> dict[str, Any]:
     if a.model == "qwen3next" and not a.smoke_cpu:
         # vLLM 0.26's default SM90 GDN prefill kernel is not on the H200 image.
         kw.setdefault("additional_config", {})["gdn_prefill_backend"] = "triton"
+    if a.eagle:
+        kw["speculative_config"] = {
+            "method": "eagle",
+            "model": str(a.drafter),
+            "num_speculative_tokens": a.eagle,
+        }
+        kw["disable_log_stats"] = False  # vLLM's speculative-decoding counters
     if name == "keep_pw":
         kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     if name == "keep_eager" or a.eager:
@@ -87,11 +102,16 @@ def run_engine(name: str, mdir: Path, a: argparse.Namespace) -> dict[str, Any]:
         outs = llm.generate(random_prompts(a.lengths, seed=0), sp, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         per_rank = collect_ranks(llm)
+        spec = {
+            m.name: int(m.value)
+            for m in (llm.get_metrics() if a.eagle else [])
+            if m.name in SPEC_COUNTERS
+        }
         # The last pipeline stage's first rank counts every drop layer (stats.output_rank).
         stats = per_rank[len(per_rank) - a.tp] if per_rank else None
     finally:
         close_llm(llm)
-    log(f"{name}: up in {start:.0f} s; stats {stats}")
+    log(f"{name}: up in {start:.0f} s; stats {stats}" + (f"; drafts {spec}" if spec else ""))
     # Tensor-parallel ranks of one pipeline stage make the same choices.
     stages = [per_rank[i : i + a.tp] for i in range(0, len(per_rank), a.tp)]
     agree = all(ranks_agree(ranks) for ranks in stages)
@@ -100,11 +120,22 @@ def run_engine(name: str, mdir: Path, a: argparse.Namespace) -> dict[str, Any]:
     return {
         "tokens": tokens,
         "stats": stats,
+        "spec_decode": spec,
         "per_rank": per_rank,
         "ranks_agree": agree,
         "startup_s": start,
         "kwargs": kw,
     }
+
+
+def eagle_drafter_dir(mdir: Path) -> Path:
+    """An EAGLE head's config beside the model's (one layer; dummy weights like it)."""
+    config = json.loads((mdir / "config.json").read_text())
+    out = mdir.parent / f"{mdir.name}-eagle"
+    out.mkdir(parents=True, exist_ok=True)
+    head = {**config, "num_hidden_layers": 1, "architectures": ["EagleLlamaForCausalLM"]}
+    (out / "config.json").write_text(json.dumps(head, indent=1))
+    return out
 
 
 def agreement(x: list[list[int]], y: list[list[int]]) -> list[int]:
@@ -132,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     p.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
     p.add_argument("--eager", action="store_true", help="every engine enforce_eager")
+    p.add_argument("--eagle", type=int, default=0, help="draft K tokens with an EAGLE head")
     p.add_argument("--smoke-cpu", action="store_true")
     a = p.parse_args(argv)
     a.lengths = [int(x) for x in a.lengths.split(",")]
@@ -150,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     mdir = build_model_dir(
         a.model, Path("/tmp/uniprefill_check_models"), a.max_len, a.dtype, a.layers
     )
+    a.drafter = eagle_drafter_dir(mdir) if a.eagle else None
     runs: dict[str, Any] = {}
     doc: dict[str, Any] = {"argv": sys.argv, "started": time.strftime("%F %T %Z"), "runs": runs}
     for name in a.engines.split(","):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from uniprefill.cpu_triton import enable as _enable_cpu_triton
-from uniprefill.vllm.families import FAMILIES, family_named
+from uniprefill.vllm.families import FAMILIES, early, family_named
 
 # Before anything imports vLLM: on a CPU machine (the --smoke-cpu runs) vLLM's V2
 # runner needs Triton's interpreter; on a GPU this does nothing.
@@ -59,6 +59,17 @@ def hf_config(name: str, max_pos: int) -> Any:
     cfg = getattr(transformers, family.tiny.config_class)(**kw)
     cfg.architectures = [next(iter(family.architectures))]
     return cfg
+
+
+def model_drop_layers(name: str, choice: str | list[int]) -> list[int] | None:
+    """The drop layers a benchmark runs ``name`` at: ``choice`` is "" (the shape's
+    default; None: the family's), "early" (``families.early`` on the shape) or a list."""
+    if choice == "":
+        return MODELS[name]["drop_layers"]
+    if choice == "early":
+        family = family_named(MODELS[name]["family"])
+        return list(early(family.types_for(hf_config(name, 0))))
+    return list(choice)
 
 
 def build_model_dir(
@@ -138,10 +149,12 @@ _MODE = re.compile(rf"^(dense|topp{_RATIO}|own{_RATIO}|keep{_RATIO}(/{_RATIO})*)
 OwnShares = dict[int, dict[float, list[float]]]
 
 
-def load_own_shares(paths: list[str]) -> OwnShares:
+def load_own_shares(paths: list[str], schedule: list[int] | None = None) -> OwnShares:
     """The kept share per drop layer that a trained model's own attention kept, per
     measured prompt length and top_p: ``uniprefill calibrate`` JSONs, one length each
-    (calibrate averages over its lengths, so a file of several would mix them)."""
+    (calibrate averages over its lengths, so a file of several would mix them). A file
+    that compares schedules (``--schedule``) gives the runs at ``schedule`` (the
+    measured model's drop layers), which must then be named."""
     own: OwnShares = {}
     for path in paths:
         doc = json.loads(Path(path).read_text())
@@ -150,12 +163,17 @@ def load_own_shares(paths: list[str]) -> OwnShares:
             raise ValueError(f"--own-shares {path}: {len(lengths)} lengths; one per file")
         if lengths[0] in own:
             raise ValueError(f"--own-shares: two files measured length {lengths[0]}")
-        if any(c.get("schedule") for c in doc["configs"]):
-            raise ValueError(
-                f"--own-shares {path}: compares schedules (--schedule); give a "
-                "run at the benchmark's own drop layers"
-            )
-        own[lengths[0]] = {c["top_p"]: c["kept_per_layer"] for c in doc["configs"]}
+        configs = doc["configs"]
+        if any(c.get("schedule") for c in configs):
+            if schedule is None:
+                raise ValueError(
+                    f"--own-shares {path}: compares schedules (--schedule); name the "
+                    "measured one to replay with --own-drop-layers"
+                )
+            configs = [c for c in configs if list(c["drop_layers"]) == list(schedule)]
+            if not configs:
+                raise ValueError(f"--own-shares {path}: no run at drop layers {schedule}")
+        own[lengths[0]] = {c["top_p"]: c["kept_per_layer"] for c in configs}
     return own
 
 
@@ -218,12 +236,22 @@ def add_own_shares_arg(p: Any) -> None:
         help="comma-separated `uniprefill calibrate` JSON files (one prompt length each) "
         "whose kept shares the own<P> modes replay",
     )
+    p.add_argument(
+        "--own-drop-layers",
+        default="",
+        help="with --own-shares files that compare schedules: the measured model's drop "
+        "layers whose shares to replay (e.g. 2,5,8,12,16,20)",
+    )
 
 
-def parse_modes(p: Any, modes: list[str], own_paths: str) -> OwnShares | None:
+def parse_modes(
+    p: Any, modes: list[str], own_paths: str, own_drop_layers: str = ""
+) -> OwnShares | None:
     """Load ``--own-shares`` and check every mode early (``p.error`` names the bad one)."""
     try:
-        own = load_own_shares([x for x in own_paths.split(",") if x]) if own_paths else None
+        schedule = [int(x) for x in own_drop_layers.split(",") if x.strip()] or None
+        paths = [x for x in own_paths.split(",") if x]
+        own = load_own_shares(paths, schedule) if own_paths else None
         for m in modes:
             mode_options(m, None, own)
     except (ValueError, OSError, KeyError) as e:

@@ -93,6 +93,12 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
         help="run the sweep's UniPrefill engine with enforce_eager (the default is vLLM's "
         "own: torch.compile + CUDA graphs, with dropping steps eager)",
     )
+    p.add_argument(
+        "--drop-layers",
+        default="",
+        help="every model's drop layers: a comma list, or early (the full-attention "
+        "layers nearest families.EARLY_FRACTIONS of the depth); default: the family's",
+    )
     p.add_argument("--profile-modes", default="dense,keep0.3")
     p.add_argument("--profile-trace", action="store_true", help="also write a gzipped chrome trace")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
@@ -128,7 +134,12 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     a.profile_modes = [m.strip() for m in a.profile_modes.split(",") if m.strip()]
     a.concurrency = _ints(a.concurrency)
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    a.own = parse_modes(p, a.modes + a.profile_modes, a.own_shares)
+    a.own = parse_modes(p, a.modes + a.profile_modes, a.own_shares, a.own_drop_layers)
+    if a.drop_layers not in ("", "early"):
+        try:
+            a.drop_layers = [int(x) for x in a.drop_layers.split(",")]
+        except ValueError:
+            p.error(f"--drop-layers {a.drop_layers!r}: a comma list of layers, or early")
     if "dense" not in a.modes:
         a.modes.insert(0, "dense")
     return a

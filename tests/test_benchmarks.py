@@ -106,3 +106,26 @@ def test_own_modes_replay_the_shares_measured_at_the_nearest_shorter_length(tmp_
     both.write_text(json.dumps({"prompts": {"lengths": [4096, 8192]}, "configs": []}))
     with pytest.raises(ValueError, match="one per file"):
         load_own_shares([str(both)])
+
+
+def test_own_shares_of_one_schedule_from_a_schedule_comparison(tmp_path) -> None:
+    """A calibrate run with --schedule holds several schedules' shares: the replay takes
+    the named one's, and the replay engine can run the early schedule of its shape."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import load_own_shares, model_drop_layers
+
+    default, early = [6, 10, 13, 17, 20, 24], [2, 5, 8, 12, 16, 20]
+    configs = [
+        {"top_p": 0.99, "schedule": s, "drop_layers": s, "kept_per_layer": [k] * 6}
+        for s, k in ((default, 0.9), (early, 0.8))
+    ]
+    path = tmp_path / "sched.json"
+    path.write_text(json.dumps({"prompts": {"lengths": [8192]}, "configs": configs}))
+    with pytest.raises(ValueError, match="--own-drop-layers"):
+        load_own_shares([str(path)])
+    assert load_own_shares([str(path)], early) == {8192: {0.99: [0.8] * 6}}
+    with pytest.raises(ValueError, match=r"no run at drop layers \[1, 2\]"):
+        load_own_shares([str(path)], [1, 2])
+    # The Llama-8B shape (32 layers): the full layers nearest 2/28, 5/28, ... of 32.
+    assert model_drop_layers("llama8b", "early") == [2, 6, 9, 14, 18, 23]
+    assert model_drop_layers("llama8b", [3, 7]) == [3, 7]
