@@ -128,3 +128,32 @@ def in_process_llm(
         )
     getattr(envs, "disable_envs_cache", lambda: None)()
     return llm
+
+
+def references(path: Path) -> dict[str, list[list[int]]]:
+    """The Hugging Face reference's greedy tokens of ``prompts()``, with DROPS and dense."""
+    batch = prompts()
+    return {"drops": hf_greedy(path, batch, True), "dense": hf_greedy(path, batch, False)}
+
+
+def plain_and_freeing_runs(path: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    """Plain vLLM's speculative decoding on ``prompts()`` and, with DROPS and
+    ``free_kv_blocks``, the same prompts joining one by one: each engine started, run and
+    closed in turn (two in-process engines cannot live at once)."""
+    from uniprefill.testing import shutdown_engine
+    from uniprefill.vllm.stats import collect
+
+    batch = prompts()
+    out: dict[str, Any] = {}
+    plain = in_process_llm(path, None, spec)
+    try:
+        out["plain"] = run(plain, lambda llm: generate(llm, batch))
+    finally:
+        shutdown_engine(plain)
+    freeing = in_process_llm(path, {**DROPS, "free_kv_blocks": True}, spec)
+    try:
+        out["freeing"] = run(freeing, lambda llm: staggered(llm, batch))
+        out["kv_blocks_freed"] = collect(freeing)["kv_blocks_freed"]
+    finally:
+        shutdown_engine(freeing)
+    return out

