@@ -37,13 +37,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import LOG_PREFIX, build_model_dir, close_llm, log, random_prompts  # noqa: E402
 
+from uniprefill.testing import spec_decode_counts, write_eagle_drafter_config  # noqa: E402
+
 LOG_PREFIX[0] = "check_compiled"
 ENGINES = ("plain", "p1", "keep", "keep_pw", "keep_eager")
-SPEC_COUNTERS = (
-    "vllm:spec_decode_num_drafts",
-    "vllm:spec_decode_num_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens",
-)
 
 
 def engine_kwargs(name: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -102,11 +99,7 @@ def run_engine(name: str, mdir: Path, a: argparse.Namespace) -> dict[str, Any]:
         outs = llm.generate(random_prompts(a.lengths, seed=0), sp, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         per_rank = collect_ranks(llm)
-        spec = {
-            m.name: int(m.value)
-            for m in (llm.get_metrics() if a.eagle else [])
-            if m.name in SPEC_COUNTERS
-        }
+        spec = spec_decode_counts(llm) if a.eagle else {}
         # The last pipeline stage's first rank counts every drop layer (stats.output_rank).
         stats = per_rank[len(per_rank) - a.tp] if per_rank else None
     finally:
@@ -126,16 +119,6 @@ def run_engine(name: str, mdir: Path, a: argparse.Namespace) -> dict[str, Any]:
         "startup_s": start,
         "kwargs": kw,
     }
-
-
-def eagle_drafter_dir(mdir: Path) -> Path:
-    """An EAGLE head's config beside the model's (one layer; dummy weights like it)."""
-    config = json.loads((mdir / "config.json").read_text())
-    out = mdir.parent / f"{mdir.name}-eagle"
-    out.mkdir(parents=True, exist_ok=True)
-    head = {**config, "num_hidden_layers": 1, "architectures": ["EagleLlamaForCausalLM"]}
-    (out / "config.json").write_text(json.dumps(head, indent=1))
-    return out
 
 
 def agreement(x: list[list[int]], y: list[list[int]]) -> list[int]:
@@ -182,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     mdir = build_model_dir(
         a.model, Path("/tmp/uniprefill_check_models"), a.max_len, a.dtype, a.layers
     )
-    a.drafter = eagle_drafter_dir(mdir) if a.eagle else None
+    a.drafter = (
+        write_eagle_drafter_config(mdir, mdir.parent / f"{mdir.name}-eagle") if a.eagle else None
+    )
     runs: dict[str, Any] = {}
     doc: dict[str, Any] = {"argv": sys.argv, "started": time.strftime("%F %T %Z"), "runs": runs}
     for name in a.engines.split(","):

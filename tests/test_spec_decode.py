@@ -31,7 +31,7 @@ import spec_decode_runs  # noqa: E402
 from spec_decode_runs import (  # noqa: E402
     ARCH,
     DROPS,
-    configure,
+    dense_run,
     generate,
     in_process_llm,
     prompts,
@@ -129,11 +129,7 @@ def test_top_p_one_equals_plain_spec_decode(
 ) -> None:
     """At top_p 1.0 (nothing drops): plain vLLM's speculative decoding, plain greedy."""
     batch = prompts()
-    old = configure(spec_llm, {"top_p": 1.0, "keep_ratio": None})
-    try:
-        ours, spec = run(spec_llm, lambda llm: generate(llm, batch))
-    finally:
-        configure(spec_llm, old)
+    ours, spec = dense_run(spec_llm, batch)
     plain, plain_spec = side_runs["plain"]
     assert plain_spec["accepted"] > 0 and spec["accepted"] > 0, (plain_spec, spec)
     assert ours == plain == references["dense"]

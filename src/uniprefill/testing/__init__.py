@@ -1,6 +1,6 @@
 """Test helpers: tiny randomly initialised models of the supported architectures, built offline."""
 
-from uniprefill.testing.engines import shutdown_engine, tiny_llm
+from uniprefill.testing.engines import shutdown_engine, spec_decode_counts, tiny_llm
 from uniprefill.testing.tiny_models import (
     ARCHS,
     assert_varied_greedy,
@@ -14,6 +14,7 @@ from uniprefill.testing.tiny_models import (
     tiny_config,
     tiny_drop_layers,
     vllm_kwargs,
+    write_eagle_drafter_config,
 )
 
 __all__ = [
@@ -27,8 +28,10 @@ __all__ = [
     "greedy_tokens",
     "random_prompt",
     "shutdown_engine",
+    "spec_decode_counts",
     "tiny_llm",
     "tiny_config",
     "tiny_drop_layers",
     "vllm_kwargs",
+    "write_eagle_drafter_config",
 ]

@@ -48,3 +48,20 @@ def shutdown_engine(llm: Any) -> None:
     except psutil.NoSuchProcess:
         pass
     gc.collect()
+
+
+SPEC_DECODE_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted",
+}
+
+
+def spec_decode_counts(llm: Any) -> dict[str, int]:
+    """vLLM's cumulative speculative-decoding counters: drafts proposed, draft tokens,
+    accepted tokens (summed over the engine's ranks)."""
+    counts = dict.fromkeys(SPEC_DECODE_COUNTERS.values(), 0)
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_DECODE_COUNTERS:
+            counts[SPEC_DECODE_COUNTERS[metric.name]] += int(metric.value)
+    return counts

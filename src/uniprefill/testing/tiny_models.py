@@ -306,6 +306,18 @@ def cached_tiny_model(arch: Arch, *, root: Path | None = None, **kw: Any) -> Pat
     return target
 
 
+def write_eagle_drafter_config(target: Path, out_dir: Path) -> Path:
+    """An EAGLE(-1) head's ``config.json`` for the Llama-like ``target``: one decoder layer
+    of the target's shape, vLLM's ``EagleLlamaForCausalLM``. Weights are the caller's
+    (dummy ones with ``load_format="dummy"``)."""
+    config = json.loads((Path(target) / "config.json").read_text())
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drafter = {**config, "num_hidden_layers": 1, "architectures": ["EagleLlamaForCausalLM"]}
+    (out_dir / "config.json").write_text(json.dumps(drafter, indent=1))
+    return out_dir
+
+
 def build_tiny_eagle_drafter(target: Path, out_dir: Path, *, seed: int = 0) -> Path:
     """An EAGLE(-1) drafter for the tiny Llama ``target``, in vLLM's EAGLE checkpoint
     layout (``fc`` plus one decoder layer; embeddings and LM head shared with the target).
@@ -321,10 +333,7 @@ def build_tiny_eagle_drafter(target: Path, out_dir: Path, *, seed: int = 0) -> P
     config = json.loads((Path(target) / "config.json").read_text())
     if config.get("model_type") != "llama":
         raise ValueError(f"build_tiny_eagle_drafter needs a tiny Llama, not {target}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    drafter = {**config, "num_hidden_layers": 1, "architectures": ["EagleLlamaForCausalLM"]}
-    (out_dir / "config.json").write_text(json.dumps(drafter, indent=1))
+    write_eagle_drafter_config(target, out_dir)
     h, ffn = config["hidden_size"], config["intermediate_size"]
     q, kv = (config[k] * config["head_dim"] for k in ("num_attention_heads", "num_key_value_heads"))
     gen = torch.Generator().manual_seed(seed)
