@@ -10,6 +10,9 @@ compares the tokens:
   that read the per-stage lengths and slots) == ``keep_pw`` (PIECEWISE graphs only:
   attention runs outside the graphs with metadata built for the step): the per-stage
   buffers a FULL graph reads must hold what the step needs;
+* ``keep`` == ``keep_torch`` (the same, with the decode steps' stage lengths, slots and
+  remapped block tables from torch ops instead of one Triton launch,
+  ``ops/triton_stage_fill.py``);
 * ``keep_eager`` (enforce_eager): reported, not required equal (other kernels).
 
 With ``--eagle K`` every engine drafts K tokens with an EAGLE head (dummy weights, so
@@ -37,10 +40,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import LOG_PREFIX, build_model_dir, close_llm, log, random_prompts  # noqa: E402
 
+from uniprefill.config import STAGE_FILL_ENV  # noqa: E402
 from uniprefill.testing import spec_decode_counts, write_eagle_drafter_config  # noqa: E402
 
 LOG_PREFIX[0] = "check_compiled"
-ENGINES = ("plain", "p1", "keep", "keep_pw", "keep_eager")
+ENGINES = ("plain", "p1", "keep", "keep_pw", "keep_torch", "keep_eager")
 
 
 def engine_kwargs(name: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -92,6 +96,9 @@ def run_engine(name: str, mdir: Path, a: argparse.Namespace) -> dict[str, Any]:
     kw = engine_kwargs(name, a)
     log(f"{name}: {kw}")
     t0 = time.time()
+    # keep_torch: the decode steps' stage fill in torch ops instead of one Triton launch
+    # (the engine's processes read the variable at start-up).
+    os.environ[STAGE_FILL_ENV] = "torch" if name == "keep_torch" else "auto"
     llm = vllm.LLM(str(mdir), **kw)
     start = time.time() - t0
     try:
@@ -181,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     for x, y, required in (
         ("plain", "p1", True),
         ("keep", "keep_pw", True),
+        ("keep", "keep_torch", True),
         ("keep", "keep_eager", False),
     ):
         if "tokens" in runs.get(x, {}) and "tokens" in runs.get(y, {}):

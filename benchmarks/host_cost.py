@@ -10,6 +10,7 @@ CPU numbers find what the code does per step (docs/kv-blocks.md, "Host cost"); a
 costs differ (kernel launches instead of CPU kernels).
 
     python benchmarks/host_cost.py --free-kv-blocks; python benchmarks/host_cost.py --plain
+    (--before: the preparation before the one-launch stage fill, for a comparison)
     bash benchmarks/gpu/run_ttft.sh benchmarks/host_cost.py --model llama8b --compiled \
         --free-kv-blocks --prompts 64 --length 1024 --output 256   (then --plain)
 """
@@ -96,6 +97,12 @@ def main() -> None:
         help="time plain vLLM instead (plugin off): its whole prepare_attn per step "
         "(one engine per process: an in-process engine keeps its GPU memory)",
     )
+    p.add_argument(
+        "--before",
+        action="store_true",
+        help="the preparation before the one-launch stage fill: torch ops for the stage "
+        "lengths, slots and remap, and vLLM's own call over every KV-cache group",
+    )
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--output", type=int, default=64)
@@ -111,6 +118,7 @@ def main() -> None:
 
     import uniprefill.vllm.model_state as ms
     import uniprefill.vllm.runtime as rt
+    from uniprefill.config import STAGE_FILL_ENV
     from uniprefill.testing import shutdown_engine
     from uniprefill.vllm.stats import collect
 
@@ -127,7 +135,12 @@ def main() -> None:
         (ms._StageBuffers, "tables", "block-table remap"),
         (rt.UniPrefillRuntime, "plan", "step plan"),
         (ms, "slot_mapping", "slot computation"),
+        (ms._StageBuffers, "fill", "stage fill, one Triton launch"),
+        (ms.UniPrefillStateMixin, "_fill_stages_torch", "stage fill, torch ops"),
     )
+    if a.before:  # the preparation as it was before the one-launch fill (2026-12-07)
+        os.environ[STAGE_FILL_ENV] = "torch"
+        ms._StageBuffers.unstaged_groups = lambda self, groups: groups
     for owner, attr, name in parts:
         setattr(owner, attr, _timed(totals, calls, name, getattr(owner, attr)))
     drop_layers = [1, 2, 3, 4, 5, 6] if a.model == "tiny-llama" else None  # None: the family's
@@ -168,6 +181,7 @@ def main() -> None:
 
         doc["uniprefill"] = {
             "free_kv_blocks": a.free_kv_blocks,
+            "before": a.before,
             "steps": steps,
             "wall_s": round(wall, 3),
             "uniprefill_ms_per_step": per_step("host_prepare_s"),
@@ -179,6 +193,7 @@ def main() -> None:
     print(text)
     if a.out:
         tag = "_plain" if a.plain else "_free" if a.free_kv_blocks else ""
+        tag += "_before" if a.before else ""
         Path(a.out, f"host_cost_{a.model}{tag}.json").write_text(text)
 
 

@@ -332,3 +332,24 @@ def test_free_kv_blocks_null_default_frees_where_allowed_and_true_is_refused_for
     cfg = config(tiny_llama, {"free_kv_blocks": True}, enable_prefix_caching=False)
     assert cfg.parallel_config.distributed_executor_backend == "mp"
     assert cfg.scheduler_config.scheduler_cls.endswith("UniPrefillScheduler")
+
+
+def test_triton_stage_fill_changes_no_token(tiny_llama: Path, monkeypatch):
+    """The one-launch stage fill of GPUs (ops/triton_stage_fill.py, here in Triton's
+    interpreter) in an engine that frees blocks: the tokens of the torch fill, which CPU
+    engines use. The kernel itself is checked against the torch ops in
+    tests/test_ops_triton.py."""
+    from uniprefill.config import STAGE_FILL_ENV
+    from uniprefill.vllm import model_state
+
+    prompts = _prompts((420, 600, 300))
+    torch_fill, torch_stats = _run(tiny_llama, True, prompts, 6)
+    monkeypatch.setenv(STAGE_FILL_ENV, "triton")
+    calls = []
+    fill = model_state._StageBuffers.fill
+    monkeypatch.setattr(
+        model_state._StageBuffers, "fill", lambda *a, **k: calls.append(1) or fill(*a, **k)
+    )
+    triton_fill, stats = _run(tiny_llama, True, prompts, 6)
+    assert len(calls) >= 5 and stats["kv_blocks_freed"] > 0
+    assert triton_fill == torch_fill

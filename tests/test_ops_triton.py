@@ -205,3 +205,91 @@ def test_kernel_layout_mirrors_scorable() -> None:
     expected = [scorable(n, sink, lq) for n in lens]
     assert expected == [False, False, True, False, False, True]
     assert droppable_rows(cu, lq, sink, None).tolist() == expected
+
+
+def _stage_fill_reference(tables, freed, idx, dropped, seq_lens, qsl, jobs, n, padded, tokens):
+    """The torch composition the model state ran before the kernel (model_state.py)."""
+    from uniprefill.vllm.kv_blocks import remap_block_table
+    from uniprefill.vllm.stages import slot_mapping
+
+    num_stages = dropped.shape[1] - 1
+    seq = seq_lens[:padded].expand(num_stages, padded).clone()
+    seq[:, :n] -= dropped[idx[:n].long(), 1:].T
+    remapped = tables
+    if freed is not None:
+        step = torch.zeros((2, tables.shape[0], tables.shape[1]), dtype=freed.dtype)
+        step[:, :, :n] = freed[idx[:n].long()].permute(1, 2, 0)
+        remapped = remap_block_table(tables, step[0], step[1], torch.empty_like(tables))
+    ctx = seq[:, :n] - (qsl[1 : n + 1] - qsl[:n])
+    slots = torch.full((num_stages, 3, tokens), -5, dtype=torch.int64)
+    for s, t, g, bs in jobs.tolist():
+        slot_mapping(remapped[t], bs, ctx[s], qsl, n, slots[s, g])
+    return seq, slots, remapped
+
+
+@needs_kernel
+@pytest.mark.parametrize("freeing", [True, False])
+def test_stage_fill_kernel_equals_torch_composition(freeing: bool) -> None:
+    """Lengths, slots and remapped tables of every stage in one launch = the torch ops:
+    decode rows, a multi-token row (speculative verification) crossing blocks, padding
+    rows, freed ranges before and after the tokens' blocks."""
+    from uniprefill.ops.triton_stage_fill import fill_stages
+
+    g = torch.Generator().manual_seed(3)
+    n, padded, rows, cols, num_stages, slots_n = 5, 7, 8, 12, 3, 10
+    qlen = torch.tensor([1, 1, 3, 1, 1])
+    qsl = torch.zeros(n + 1, dtype=torch.int32)
+    qsl[1:] = qlen.cumsum(0)
+    tokens = int(qsl[-1]) + 4  # padding tokens get the pad slot
+    seq_lens = torch.zeros(padded + 2, dtype=torch.int32)
+    seq_lens[:n] = torch.tensor([30, 17, 40, 5, 44], dtype=torch.int32)
+    dropped = torch.zeros((slots_n, num_stages + 1), dtype=torch.int32)
+    idx = torch.tensor([6, 2, 9, 0, 4], dtype=torch.int32)
+    dropped[idx.long()] = torch.tensor(
+        [[0, 3, 9, 12], [0, 0, 0, 0], [0, 5, 17, 20], [0, 1, 1, 2], [0, 8, 8, 16]],
+        dtype=torch.int32,
+    )
+    num_tables = num_stages if freeing else 1
+    tables = torch.randint(0, 1000, (num_tables, rows, cols), generator=g, dtype=torch.int32)
+    freed = None
+    if freeing:  # [first, count] per request slot and stage table, in table blocks
+        freed = torch.zeros((slots_n, 2, num_tables), dtype=torch.int32)
+        freed[6, :, 0] = torch.tensor([2, 3])
+        freed[9, :, :] = torch.tensor([[1, 2, 3], [4, 2, 1]])
+        freed[4, :, 2] = torch.tensor([7, 2])
+        jobs = torch.tensor([[0, 0, 1, 4], [1, 1, 2, 4], [2, 2, 0, 4]], dtype=torch.int32)
+    else:  # two attention groups of different block sizes reading two tables
+        tables = torch.cat([tables, tables.flip(1)])
+        jobs = [[s, t, g, bs] for s in range(num_stages) for t, g, bs in ((0, 1, 4), (1, 2, 8))]
+        jobs = torch.tensor(jobs, dtype=torch.int32)
+    want = _stage_fill_reference(
+        tables, freed, idx, dropped, seq_lens, qsl, jobs, n, padded, tokens
+    )
+    dev = {k: v.to(DEVICE) for k, v in dict(tables=tables, idx=idx, dropped=dropped,
+           seq_lens=seq_lens, qsl=qsl, jobs=jobs).items()}  # fmt: skip
+    seq = torch.full((num_stages, padded + 3), -9, dtype=torch.int32, device=DEVICE)
+    slots = torch.full((num_stages, 3, tokens + 2), -5, dtype=torch.int64, device=DEVICE)
+    remapped = torch.zeros((num_tables, rows + 1, cols), dtype=torch.int32, device=DEVICE)
+    fill_stages(
+        dev["tables"],
+        freed.to(DEVICE) if freed is not None else None,
+        dev["idx"],
+        dev["dropped"],
+        dev["seq_lens"],
+        dev["qsl"],
+        dev["jobs"],
+        n,
+        padded,
+        tokens,
+        seq,
+        slots,
+        remapped if freeing else None,
+    )
+    assert torch.equal(seq[:, :padded].cpu(), want[0])
+    assert torch.equal(slots[:, :, :tokens].cpu(), want[1])
+    assert (slots[:, :, tokens:] == -5).all()
+    if freeing:  # the blocks each row's KV spans (attention reads no others)
+        for r in range(padded):
+            span = -(-int(seq_lens[r]) // 4)
+            assert torch.equal(remapped[:, r, :span].cpu(), want[2][:, r, :span]), r
+        assert not torch.equal(want[2], tables)  # the freed ranges moved something

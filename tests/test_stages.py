@@ -67,6 +67,7 @@ class _Batch:
     num_reqs_after_padding: int
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    idx_mapping: torch.Tensor | None = None
 
 
 def _decode_fill(dropped: torch.Tensor | None, num_stages: int = 3):
@@ -83,8 +84,12 @@ def _decode_fill(dropped: torch.Tensor | None, num_stages: int = 3):
         slots=torch.full((num_stages, 1, max_tokens), -7, dtype=torch.int64),
         block_size={0: BLOCK},
         freeing=None,
+        jobs=None,  # the torch fill (tests/test_ops_triton.py checks the Triton one)
+        tables=lambda runtime, batch, tables: tables,
     )
     state = object.__new__(UniPrefillStateMixin)
+    table = types.SimpleNamespace(dropped_gpu=dropped)
+    state.uniprefill = types.SimpleNamespace(table=table)
     state._stage_buffers = bufs
     gen = torch.Generator().manual_seed(1)
     block_table = torch.randint(0, 1000, (8, 40), dtype=torch.int32, generator=gen)
@@ -106,13 +111,13 @@ def _decode_fill(dropped: torch.Tensor | None, num_stages: int = 3):
     state._decode_stages(
         base,
         step,
-        _Batch(num_reqs, padded, seq_lens, qsl),
+        _Batch(num_reqs, padded, seq_lens, qsl, torch.arange(num_reqs)),
         None,
         (block_table,),
         vllm_slots,
         None,
         False,
-        dropped,
+        dropped is not None,
         {},
     )
     return bufs, calls, block_table, seq_lens, qsl, vllm_slots, step
@@ -193,6 +198,8 @@ def test_decode_fill_of_stage_groups_matches_one_group_at_a_time():
         slots=torch.full((num_stages, 3, max_tokens), -7, dtype=torch.int64),
         block_size={0: BLOCK, 1: BLOCK, 2: BLOCK},
         freeing=freeing,
+        jobs=None,  # the torch fill (tests/test_ops_triton.py checks the Triton one)
+        tables=lambda runtime, batch, tables: tables,
     )
     state = object.__new__(UniPrefillStateMixin)
     state._stage_buffers = bufs
@@ -200,6 +207,7 @@ def test_decode_fill_of_stage_groups_matches_one_group_at_a_time():
     qsl = torch.tensor([0, 1, 2, 3, 4, 4, 4], dtype=torch.int32)
     vllm_slots = torch.full((3, padded), -1, dtype=torch.int64)
     dropped = torch.tensor([[0, 10, 30], [0, 100, 200], [0, 0, 0], [0, 16, 33]])
+    state.uniprefill = types.SimpleNamespace(table=types.SimpleNamespace(dropped_gpu=dropped))
     zeros = np.zeros((num_reqs, num_stages + 1), dtype=np.int64)
     rows = zeros[:, 0]
     step = StepPlan(
@@ -208,13 +216,13 @@ def test_decode_fill_of_stage_groups_matches_one_group_at_a_time():
     state._decode_stages(
         lambda *a, **k: {},
         step,
-        _Batch(num_reqs, padded, seq_lens, qsl),
+        _Batch(num_reqs, padded, seq_lens, qsl, torch.arange(num_reqs)),
         None,
         tuple(tables),
         vllm_slots,
         None,
         False,
-        dropped,
+        True,
         {},
     )
     for s, gid in ((1, 1), (2, 2)):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The trained model's GGUF (Qwen2.5-Coder-1.5B, 1.1 GB) travels in 61 MiB parts, one per
+# The trained model's GGUF (Qwen2.5-Coder-1.5B, 1.1 GB) travels in 56 MiB parts (20), one per
 # device call: carry=[".carry/m/partNN"], then `bash benchmarks/gpu/copy_model_part.sh NN`.
 # Made on the CPU machine by benchmarks/gpu/split_model.sh.
 set -euo pipefail

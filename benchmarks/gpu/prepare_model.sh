@@ -15,7 +15,7 @@ from uniprefill.eval.gguf_models import (
 )
 t0 = time.time()
 parts = numbered_parts(Path("/root/mparts").glob("part*"))
-assert len(parts) == 18, f"{len(parts)} of 18 parts: send the missing ones again"
+assert len(parts) == 20, f"{len(parts)} of 20 parts: send the missing ones again"
 gguf = join_parts(parts, Path("/root/qwen.gguf"), sha256=QWEN25_CODER_15B_SHA256,
                   size=QWEN25_CODER_15B_SIZE)
 print(f"joined and checked in {time.time() - t0:.0f} s", flush=True)

@@ -20,6 +20,10 @@ DEFAULT_LAST_Q = 128
 DEFAULT_SINK = 128
 # The key of vLLM's ``additional_config`` that turns UniPrefill on.
 ENTRY = "uniprefill"
+# Which stage fill decode steps use: "auto" (one Triton launch on CUDA devices, torch
+# ops elsewhere: on a CPU Triton's interpreter takes ~20 ms a program), "triton" or
+# "torch" (to compare the two, as tests and benchmarks/check_compiled.py do).
+STAGE_FILL_ENV = "UNIPREFILL_STAGE_FILL"
 
 
 def validate_selection_args(

@@ -91,7 +91,7 @@ def _check_cu_values(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
         )
 
 
-def _triton_usable(device: torch.device) -> bool:
+def triton_usable(device: torch.device) -> bool:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return True
     if device.type != "cuda":
@@ -193,8 +193,8 @@ def select_tokens(
         # The interpreter (TRITON_INTERPRET=1, e.g. on CPU test machines) runs Triton
         # correctly but slowly: "auto" takes it only on a GPU.
         on_gpu = q.device.type == "cuda"
-        impl = "triton" if on_gpu and _triton_usable(q.device) else "reference"
-    if impl == "triton" and not _triton_usable(q.device):
+        impl = "triton" if on_gpu and triton_usable(q.device) else "reference"
+    if impl == "triton" and not triton_usable(q.device):
         raise ValueError("impl='triton' needs a CUDA device and an importable triton")
     num_tokens = q.shape[0]
     if impl == "reference" or _DEBUG:

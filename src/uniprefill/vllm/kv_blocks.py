@@ -119,7 +119,7 @@ class KVBlockFreeing:
         self.block_size = block_size  # the KV manager's, the rule's unit
         self._per_block = block_size // table_block_size  # table blocks per KV block
         self.groups = tuple(sorted(group_stage))  # KV-cache group ids of stages >= 1
-        self._stage = np.array([group_stage[g] for g in self.groups], dtype=np.int64)
+        self.stages = np.array([group_stage[g] for g in self.groups], dtype=np.int64)
         self.max_num_reqs = max_num_reqs
         self.max_rows = max_rows
         # Per request slot: [first, count] per stage group, in table blocks (0: none).
@@ -133,7 +133,7 @@ class KVBlockFreeing:
         # Each stage group's id, and its row in the per-stage lengths (stage - 1), on the
         # device once: the decode fill indexes with them at every step.
         self.group_ids = torch.tensor(self.groups, device=device)
-        self.stage_rows = torch.tensor(self._stage - 1, device=device)
+        self.stage_rows = torch.tensor(self.stages - 1, device=device)
         self._ranged: set[str] = set()  # requests with freed ranges here
         self.pending: list[KeptRecord] = []  # for the step's ModelRunnerOutput
         self.blocks_freed = 0  # freed by the scheduler, as its notices say
@@ -155,7 +155,7 @@ class KVBlockFreeing:
             )
         total = plan.ctx0[rows] + plan.qlen0[rows]
         kept = total[:, None] - dropped  # [rows, stages]
-        first, count = freed_blocks(total[:, None], kept[:, self._stage], self.block_size)
+        first, count = freed_blocks(total[:, None], kept[:, self.stages], self.block_size)
         has = (count > 0).any(axis=1)
         if not has.any():
             return
@@ -203,25 +203,42 @@ class KVBlockFreeing:
         """The step's block tables, each stage group's with its rows' freed ranges
         skipped; ``idx`` maps the step's rows to request slots. A fixed number of device
         ops per step, whatever the number of stage groups."""
-        tables = [block_tables[g] for g in self.groups]
-        rows, width = tables[0].shape
-        if any(t.shape != tables[0].shape for t in tables):
-            raise RuntimeError(
-                "uniprefill: the stage groups' block tables differ in shape "
-                f"{[tuple(t.shape) for t in tables]}"
-            )
-        if self._remapped is None or self._remapped.shape[2] != width or rows > self.max_rows:
-            self.max_rows = max(rows, self.max_rows)
-            shape = (len(self.groups), self.max_rows)
-            self._step_freed = self.freed.new_zeros((2, *shape))
-            self._remapped = tables[0].new_zeros((*shape, width))
+        tables = self.stage_tables(block_tables)
+        _, rows, width = tables.shape
+        out = self.remap_buffer(tables, rows, width)
         assert self._step_freed is not None
         n = idx.shape[0]
         step = self._step_freed[:, :, :rows]
         step[:, :, :n] = self.freed[idx].permute(1, 2, 0)
         step[:, :, n:] = 0  # the batch's padding rows: nothing skipped
-        out = self._remapped[:, :rows]
-        remap_block_table(torch.stack(tables), step[0], step[1], out)
+        remap_block_table(tables, step[0], step[1], out)
+        return self.remapped_tables(block_tables, out)
+
+    def stage_tables(self, block_tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The stage groups' block tables stacked [groups, rows, blocks], as given."""
+        tables = [block_tables[g] for g in self.groups]
+        if any(t.shape != tables[0].shape for t in tables):
+            raise RuntimeError(
+                "uniprefill: the stage groups' block tables differ in shape "
+                f"{[tuple(t.shape) for t in tables]}"
+            )
+        return torch.stack(tables)
+
+    def remap_buffer(self, like: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+        """The persistent buffer [groups, rows, width] the remapped tables go to: FULL CUDA
+        graphs captured with it read it at every replay (the torch remap above and the
+        step's Triton fill, ``ops/triton_stage_fill.py``, both write it)."""
+        if self._remapped is None or self._remapped.shape[2] != width or rows > self.max_rows:
+            self.max_rows = max(rows, self.max_rows)
+            shape = (len(self.groups), self.max_rows)
+            self._step_freed = self.freed.new_zeros((2, *shape))
+            self._remapped = like.new_zeros((*shape, width))
+        return self._remapped[:, :rows]
+
+    def remapped_tables(
+        self, block_tables: tuple[torch.Tensor, ...], out: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """``block_tables`` with each stage group's replaced by its table in ``out``."""
         self.stacked = out  # every stage group's remapped table, in self.groups' order
         result = list(block_tables)
         for i, g in enumerate(self.groups):

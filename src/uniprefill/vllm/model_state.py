@@ -9,7 +9,9 @@ Qwen3-Next) and adds, through the state's own hooks:
 * ``prepare_attn``: plans the step (which rows drop), and when compacted requests
   are in the batch (or a FULL CUDA graph runs, which reads them every replay)
   writes each later stage's sequence lengths and KV slots into persistent buffers
-  and builds that stage's metadata with the stage's own builders;
+  (on a GPU in one Triton launch, ``ops/triton_stage_fill.py``) and builds that
+  stage's metadata with the stage's own builders; vLLM's own call then builds only
+  the groups of stage 0 (with ``free_kv_blocks`` each stage has groups of its own);
 * :meth:`~UniPrefillStateMixin.stage_metadata`: a later stage's metadata in a step
   that drops (called by the model's dropping forward as it enters the stage).
 """
@@ -18,12 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from uniprefill.config import STAGE_FILL_ENV
+from uniprefill.ops.select import triton_usable
 from uniprefill.vllm import kv_blocks, versions
 from uniprefill.vllm.requests import min_prompt_len, request_top_p, runs_dense
 from uniprefill.vllm.runtime import UniPrefillRuntime
@@ -65,6 +70,15 @@ def _is_own_layer(own_layers: frozenset[str], vllm_config: VllmConfig, name: str
             "drafter is configured; its stage cannot be told"
         )
     return False
+
+
+def _use_triton_fill(device: torch.device) -> bool:
+    choice = os.environ.get(STAGE_FILL_ENV, "auto")
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"{STAGE_FILL_ENV}={choice!r}: use auto, triton or torch")
+    if choice == "triton" and not triton_usable(device):
+        raise ValueError(f"{STAGE_FILL_ENV}=triton: Triton cannot run on {device}")
+    return choice == "triton" or (choice == "auto" and device.type == "cuda")
 
 
 class _StageBuffers:
@@ -110,6 +124,12 @@ class _StageBuffers:
         if runtime.config.free_kv_blocks:
             runtime.kv_freeing = self._find_stage_groups(runtime, sched.max_num_seqs, device)
         self.freeing: kv_blocks.KVBlockFreeing | None = runtime.kv_freeing
+        # A decode step's stage lengths, slots and remapped tables in one Triton launch
+        # on a GPU; torch ops elsewhere (docs/kv-blocks.md, "Host cost").
+        self.jobs: torch.Tensor | None = None
+        self._job_tables: tuple[int, ...] = ()
+        if _use_triton_fill(device):
+            self._set_jobs(num_stages, device)
 
     def _find_stage_groups(
         self, runtime: UniPrefillRuntime, max_rows: int, device: torch.device
@@ -134,6 +154,74 @@ class _StageBuffers:
         return kv_blocks.KVBlockFreeing(
             block_size, table_block_size, group_stage, len(runtime.table.req_ids), max_rows, device
         )
+
+    def unstaged_groups(
+        self, attn_groups: list[list[AttentionGroup]]
+    ) -> list[list[AttentionGroup]]:
+        """``attn_groups`` without the stage groups of ``free_kv_blocks`` (their layers'
+        metadata comes from the stage builds): vLLM's own call builds one group, not S+1."""
+        if self.freeing is None:
+            return attn_groups
+        staged = self.freeing.groups
+        return [[] if gid in staged else groups for gid, groups in enumerate(attn_groups)]
+
+    def _set_jobs(self, num_stages: int, device: torch.device) -> None:
+        """The fill's (stage - 1, table, KV-cache group, block size) jobs: with
+        free_kv_blocks one per stage group and its own table, else every stage over each
+        attention group's table."""
+        if self.freeing is not None:
+            stages = self.freeing.stages.tolist()
+            self._job_tables = self.freeing.groups
+            jobs = [
+                (s - 1, i, g) for i, (s, g) in enumerate(zip(stages, self._job_tables, strict=True))
+            ]
+        else:
+            self._job_tables = tuple(self.block_size)
+            jobs = [(s, k, g) for s in range(num_stages) for k, g in enumerate(self._job_tables)]
+        rows = [(*job, self.block_size[job[2]]) for job in jobs]
+        self.jobs = torch.tensor(rows, dtype=torch.int32, device=device)
+
+    def fill(
+        self,
+        runtime: UniPrefillRuntime,
+        batch: InputBatch,
+        block_tables: tuple[torch.Tensor, ...],
+        num_tokens: int,
+    ) -> tuple[torch.Tensor, ...]:
+        """Every stage's lengths and slots, and with free_kv_blocks the stage groups'
+        remapped tables, in one launch (``ops/triton_stage_fill.py``); the step's block
+        tables with the remapped ones in place."""
+        from uniprefill.ops.triton_stage_fill import fill_stages
+
+        assert self.jobs is not None
+        freeing = self.freeing
+        remapped = None
+        if freeing is not None:
+            tables = freeing.stage_tables(block_tables)
+            remapped = freeing.remap_buffer(tables, tables.shape[1], tables.shape[2])
+        elif len(self._job_tables) == 1:
+            tables = block_tables[self._job_tables[0]].unsqueeze(0)
+        else:
+            tables = torch.stack([block_tables[g] for g in self._job_tables])
+        fill_stages(
+            tables,
+            freeing.freed if freeing is not None else None,
+            batch.idx_mapping,
+            runtime.table.dropped_gpu,
+            batch.seq_lens,
+            batch.query_start_loc,
+            self.jobs,
+            batch.num_reqs,
+            batch.num_reqs_after_padding,
+            num_tokens,
+            self.seq_lens,
+            self.slots,
+            remapped,
+        )
+        if freeing is None:
+            return block_tables
+        assert remapped is not None
+        return freeing.remapped_tables(block_tables, remapped)
 
     def tables(
         self, runtime: UniPrefillRuntime, batch: InputBatch, block_tables: tuple[torch.Tensor, ...]
@@ -205,20 +293,18 @@ class UniPrefillStateMixin:
         from vllm.config.compilation import CUDAGraphMode
 
         base = functools.partial(super().prepare_attn, **kwargs)  # type: ignore[misc]
-        t_vllm = time.perf_counter()
-        meta = base(
-            input_batch,
-            cudagraph_mode,
-            block_tables,
-            slot_mappings,
-            attn_groups,
-            kv_cache_config,
-            for_capture=for_capture,
-        )
+        args = (block_tables, slot_mappings)
         rt = self.uniprefill
         if not rt.drop_layers:
             rt.plan_dummy(input_batch.num_reqs)
-            return meta
+            return base(
+                input_batch,
+                cudagraph_mode,
+                *args,
+                attn_groups,
+                kv_cache_config,
+                for_capture=for_capture,
+            )
         t0 = time.perf_counter()
         if self._stage_buffers is None:
             self._stage_buffers = _StageBuffers(
@@ -243,15 +329,29 @@ class UniPrefillStateMixin:
         else:
             step = rt.plan_dummy(num_reqs)
         compacted = real and bool(step.dropped[:, 1:].any())
-        if step.dropping or for_capture or full_graph or compacted:
-            block_tables = bufs.tables(rt, input_batch, block_tables)
+        builds_stages = step.dropping or for_capture or full_graph or compacted
+        t_vllm = time.perf_counter()
+        meta = base(
+            input_batch,
+            cudagraph_mode,
+            *args,
+            # Stage groups (free_kv_blocks) get their metadata from the decode fill below.
+            # A dropping step keeps vLLM's: a stage whose selection keeps every token
+            # runs on it without a stage build.
+            bufs.unstaged_groups(attn_groups)
+            if builds_stages and not step.dropping
+            else attn_groups,
+            kv_cache_config,
+            for_capture=for_capture,
+        )
+        t_vllm_end = time.perf_counter()
         self._step_inputs = None
         if step.dropping:
+            block_tables = bufs.tables(rt, input_batch, block_tables)
             self._step_inputs = (base, input_batch, block_tables, kv_cache_config)
-        elif for_capture or full_graph or compacted:
+        elif builds_stages:
             # FULL graphs are captured with (and replay) the stage buffers, so they are
             # filled on every step that may replay one, compacted requests or not.
-            dropped = rt.table.dropped_gpu[input_batch.idx_mapping] if compacted else None
             self._decode_stages(
                 base,
                 step,
@@ -261,13 +361,13 @@ class UniPrefillStateMixin:
                 slot_mappings,
                 kv_cache_config,
                 for_capture,
-                dropped,
+                compacted,
                 meta,
             )
         if real:
             rt.stats.prepared_steps += 1
-            rt.stats.host_vllm_prepare_s += t0 - t_vllm
-            rt.stats.host_prepare_s += time.perf_counter() - t0
+            rt.stats.host_vllm_prepare_s += t_vllm_end - t_vllm
+            rt.stats.host_prepare_s += (t_vllm - t0) + (time.perf_counter() - t_vllm_end)
             rt.stats.log_summary()  # INFO, at most once per vLLM's stats interval
         return meta
 
@@ -281,50 +381,27 @@ class UniPrefillStateMixin:
         slot_mappings: torch.Tensor,
         kv_cache_config: KVCacheConfig,
         for_capture: bool,
-        dropped: torch.Tensor | None,
+        compacted: bool,
         meta: dict[str, Any],
     ) -> None:
         """Later stages' metadata for a step whose token set is the same at every layer.
 
         Writes into the persistent stage buffers: a FULL graph captured with them
-        reads the new lengths and slots at its next replay. Without ``dropped`` (a
-        dummy or capture batch, or no compacted request in the batch) the stages copy
-        vLLM's own lengths and slots.
+        reads the new lengths and slots at its next replay. Without a ``compacted``
+        request in the batch (or in a dummy or capture batch) the stages copy vLLM's
+        own lengths and slots.
         """
         bufs = self._stage_buffers
         assert bufs is not None
-        num_reqs, padded = batch.num_reqs, batch.num_reqs_after_padding
         num_tokens = slot_mappings.shape[1]
-        # Every stage's lengths and slots at once: a few device ops per step, whatever
-        # the number of stages (they run before the step's graph, on its stream).
-        seq = bufs.seq_lens[:, :padded]
-        seq.copy_(batch.seq_lens[:padded].expand_as(seq))
+        seq = bufs.seq_lens[:, : batch.num_reqs_after_padding]
         slots = bufs.slots[:, :, :num_tokens]
-        if dropped is None:
-            slots.copy_(slot_mappings.expand_as(slots))
+        if bufs.jobs is not None:
+            block_tables = bufs.fill(self.uniprefill, batch, block_tables, num_tokens)
         else:
-            seq[:, :num_reqs] -= dropped[:, 1:].T
-            qsl = batch.query_start_loc
-            ctx = seq[:, :num_reqs] - (qsl[1 : num_reqs + 1] - qsl[:num_reqs])
-            freeing = bufs.freeing
-            if freeing is not None and freeing.stacked is not None:
-                # One stage per stage group: each group's slots from its own stage's
-                # lengths and its remapped table, all groups in one computation.
-                group_slots = torch.empty(
-                    (len(freeing.groups), num_tokens), dtype=slots.dtype, device=slots.device
-                )
-                slot_mapping(
-                    freeing.stacked,
-                    bufs.block_size[freeing.groups[0]],
-                    ctx[freeing.stage_rows],
-                    qsl,
-                    num_reqs,
-                    group_slots,
-                )
-                slots[freeing.stage_rows, freeing.group_ids] = group_slots
-            else:
-                for gid, block_size in bufs.block_size.items():
-                    slot_mapping(block_tables[gid], block_size, ctx, qsl, num_reqs, slots[:, gid])
+            block_tables = bufs.tables(self.uniprefill, batch, block_tables)
+            dropped = self.uniprefill.table.dropped_gpu[batch.idx_mapping] if compacted else None
+            self._fill_stages_torch(batch, block_tables, slot_mappings, dropped, seq, slots)
         for s, stage in enumerate(bufs.stages, start=1):
             if not any(stage.paged):
                 continue
@@ -344,6 +421,48 @@ class UniPrefillStateMixin:
                 for group in groups:
                     for name in group.layer_names:
                         step.slot_overrides[name] = slots[s - 1, group.kv_cache_group_id]
+
+    def _fill_stages_torch(
+        self,
+        batch: InputBatch,
+        block_tables: tuple[torch.Tensor, ...],
+        slot_mappings: torch.Tensor,
+        dropped: torch.Tensor | None,
+        seq: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """Every stage's lengths and slots in torch ops (``_StageBuffers.fill`` does the
+        same in one Triton launch). Without ``dropped`` the stages copy vLLM's."""
+        bufs = self._stage_buffers
+        assert bufs is not None
+        num_reqs, padded = batch.num_reqs, batch.num_reqs_after_padding
+        num_tokens = slots.shape[-1]
+        seq.copy_(batch.seq_lens[:padded].expand_as(seq))
+        if dropped is None:
+            slots.copy_(slot_mappings.expand_as(slots))
+            return
+        seq[:, :num_reqs] -= dropped[:, 1:].T
+        qsl = batch.query_start_loc
+        ctx = seq[:, :num_reqs] - (qsl[1 : num_reqs + 1] - qsl[:num_reqs])
+        freeing = bufs.freeing
+        if freeing is not None and freeing.stacked is not None:
+            # One stage per stage group: each group's slots from its own stage's
+            # lengths and its remapped table, all groups in one computation.
+            group_slots = torch.empty(
+                (len(freeing.groups), num_tokens), dtype=slots.dtype, device=slots.device
+            )
+            slot_mapping(
+                freeing.stacked,
+                bufs.block_size[freeing.groups[0]],
+                ctx[freeing.stage_rows],
+                qsl,
+                num_reqs,
+                group_slots,
+            )
+            slots[freeing.stage_rows, freeing.group_ids] = group_slots
+        else:
+            for gid, block_size in bufs.block_size.items():
+                slot_mapping(block_tables[gid], block_size, ctx, qsl, num_reqs, slots[:, gid])
 
     def stage_metadata(self, walk: StageWalk) -> None:
         """Metadata of the walk's stage after a drop layer: new token set, compacted KV."""
