@@ -38,14 +38,27 @@ def prompts() -> list[list[int]]:
     return out
 
 
-def greedy() -> Any:
+# How many tokens the tiny Llama's greedy output repeats after repeating_prompt().
+REPEATS = 9
+
+
+def repeating_prompt() -> list[int]:
+    """A random head and a one-token tail after which the tiny Llama's greedy output,
+    with DROPS and without, repeats its first token REPEATS times."""
+    rng = random.Random(102)
+    ids = [rng.randrange(5, 900) for _ in range(300)]
+    return ids + [rng.randrange(5, 900)] * 120
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> Any:
     import vllm
 
-    return vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def generate(llm: Any, batch: list[list[int]]) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(), use_tqdm=False)
+def generate(llm: Any, batch: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    params = greedy(max_tokens)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 

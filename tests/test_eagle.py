@@ -1,4 +1,4 @@
-"""Speculative decoding with an EAGLE drafter and UniPrefill, on the tiny Llama.
+"""Speculative decoding with EAGLE and EAGLE-3 drafters and UniPrefill, on the tiny Llama.
 
 The drafter (``build_tiny_eagle_drafter``) is a model of its own, not UniPrefill's
 class: its layer sits in the target's KV-cache groups but in no stage, so its prompt
@@ -11,6 +11,13 @@ which compacted requests run with each stage's own lengths. What must hold:
   others verify drafts, and with ``free_kv_blocks``;
 * at ``top_p`` 1.0 it equals plain vLLM's EAGLE and plain greedy;
 * the comparisons can fail: drafts were accepted, and the drops changed tokens.
+
+The EAGLE-3 drafter (``build_tiny_eagle3_drafter``) reads three auxiliary hidden
+states, which a dropping step returns from its segments (one before the first drop
+layer, one between drop layers, one after the last), and drafts what the EAGLE head
+drafts: with drops its tokens and counters equal the EAGLE head's, and on a prompt
+whose output repeats one token from the first, every draft is accepted, the one made
+from the dropping prefill's auxiliary states included.
 """
 
 from __future__ import annotations
@@ -27,15 +34,21 @@ import spec_decode_runs  # noqa: E402
 from spec_decode_runs import (  # noqa: E402
     ARCH,
     DROPS,
+    REPEATS,
     dense_run,
     generate,
     in_process_llm,
     prompts,
+    repeating_prompt,
     run,
     staggered,
 )
 
-from uniprefill.testing import build_tiny_eagle_drafter, shutdown_engine  # noqa: E402
+from uniprefill.testing import (  # noqa: E402
+    build_tiny_eagle3_drafter,
+    build_tiny_eagle_drafter,
+    shutdown_engine,
+)
 from uniprefill.vllm.stats import collect, since  # noqa: E402
 
 
@@ -62,7 +75,36 @@ def side_runs(llama: Path, eagle: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def eagle_llm(llama: Path, eagle: dict[str, Any], side_runs: dict[str, Any]) -> Iterator[Any]:
+def eagle3_runs(
+    llama: Path, tmp_path_factory: pytest.TempPathFactory, side_runs: dict[str, Any]
+) -> dict[str, Any]:
+    """EAGLE-3: plain vLLM's, then UniPrefill's with drops (each closed before the next
+    engine starts, as ``side_runs``)."""
+    drafter = build_tiny_eagle3_drafter(llama, tmp_path_factory.mktemp("eagle3"))
+    spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3}
+    batch, out = prompts(), {}
+    plain = in_process_llm(llama, None, spec)
+    try:
+        out["plain"] = run(plain, lambda llm: generate(llm, batch))
+    finally:
+        shutdown_engine(plain)
+    llm = in_process_llm(llama, DROPS, spec)
+    try:
+        before = collect(llm)
+        out["drops"] = run(llm, lambda engine: generate(engine, batch))
+        repeating = [repeating_prompt()]
+        out["repeating"] = run(llm, lambda engine: generate(engine, repeating, REPEATS))
+        out["dropped_prefills"] = since(before, collect(llm))["dropped_prefills"]
+        out["dense"] = dense_run(llm, batch)
+    finally:
+        shutdown_engine(llm)
+    return out
+
+
+@pytest.fixture(scope="module")
+def eagle_llm(
+    llama: Path, eagle: dict[str, Any], side_runs: dict[str, Any], eagle3_runs: dict[str, Any]
+) -> Iterator[Any]:
     llm = in_process_llm(llama, DROPS, eagle)
     yield llm
     shutdown_engine(llm)
@@ -115,17 +157,40 @@ def test_top_p_one_equals_plain_eagle(
     assert ours == plain == references["dense"]
 
 
-@pytest.mark.parametrize(
-    ("method", "message"),
-    [
-        ("eagle3", "method='eagle3' is not supported: EAGLE-3 drafters read"),
-        ("draft_model", "method='draft_model' is not supported: UniPrefill runs"),
-    ],
-)
-def test_other_model_based_drafters_are_refused(llama: Path, method: str, message: str) -> None:
+def test_eagle3_with_drops_equals_greedy_with_drops_and_the_eagle_head(
+    eagle_llm: Any, eagle3_runs: dict[str, Any], references: dict[str, list[list[int]]]
+) -> None:
+    """The EAGLE-3 drafter drafts what the EAGLE head drafts, from the auxiliary hidden
+    states of the same dropping steps: same tokens, same counters."""
+    got, spec = eagle3_runs["drops"]
+    assert eagle3_runs["dropped_prefills"] == len(prompts()) + 1
+    assert got == references["drops"]
+    _, eagle_spec = run(eagle_llm, lambda llm: generate(llm, prompts()))
+    assert spec == eagle_spec and spec["accepted"] > 0, (spec, eagle_spec)
+
+
+def test_eagle3_drafts_from_the_dropping_prefill(eagle3_runs: dict[str, Any]) -> None:
+    """On a prompt whose greedy output (with drops) repeats its first token, every draft
+    is right, the first three included: drafted in the prefill's step from its
+    auxiliary hidden states at the prompt's last row (zeros there: not accepted)."""
+    (got,), spec = eagle3_runs["repeating"]
+    assert got == [got[0]] * REPEATS
+    assert spec["draft_tokens"] > 0 and spec["accepted"] == spec["draft_tokens"], spec
+
+
+def test_eagle3_top_p_one_equals_plain_eagle3(
+    eagle3_runs: dict[str, Any], references: dict[str, list[list[int]]]
+) -> None:
+    ours, spec = eagle3_runs["dense"]
+    plain, plain_spec = eagle3_runs["plain"]
+    assert plain_spec["draft_tokens"] > 0 and spec == plain_spec, (plain_spec, spec)
+    assert ours == plain == references["dense"]
+
+
+def test_other_model_based_drafters_are_refused(llama: Path) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    spec = {"method": method, "model": str(llama), "num_speculative_tokens": 2}
+    spec = {"method": "draft_model", "model": str(llama), "num_speculative_tokens": 2}
     args = EngineArgs(
         model=str(llama),
         enforce_eager=True,
@@ -133,7 +198,18 @@ def test_other_model_based_drafters_are_refused(llama: Path, method: str, messag
         speculative_config=spec,
         additional_config={"uniprefill": DROPS},
     )
-    # vLLM 0.27.1's own validation refuses a draft model on V2 first; an EAGLE-3 config
-    # may be refused by vLLM itself before UniPrefill sees it (no EAGLE-3 head here).
+    # vLLM 0.27.1's own validation refuses a draft model on V2 first.
+    message = "method='draft_model' is not supported: UniPrefill runs"
     with pytest.raises(ValueError, match=f"{message}|Model Runner V2 does not yet support"):
         args.create_engine_config()
+
+
+def test_eagle3_under_pipeline_parallelism_is_refused() -> None:
+    from types import SimpleNamespace as NS
+
+    from uniprefill.vllm.engine import _check_speculative
+
+    pp = NS(pipeline_parallel_size=2)
+    config = NS(speculative_config=NS(method="eagle3"), parallel_config=pp)
+    with pytest.raises(ValueError, match="eagle3' and pipeline_parallel_size > 1 is not supported"):
+        _check_speculative(config)  # type: ignore[arg-type]

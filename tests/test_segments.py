@@ -148,7 +148,7 @@ def test_inline_residual_halves_compose_to_the_layer():
         zeroed=zeroed,
         mixer_attrs={"layer_scalar": 1.0},
     )
-    h, r = segments[0].forward(positions, hidden, None)
+    h, r, _ = segments[0].forward(positions, hidden, None)
     assert r is not None and not r.any()  # a residual for the runtime to gather
     got = segments[1].pieces[0](positions=positions, hidden_states=h, residual=r)[0]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
@@ -163,10 +163,48 @@ def test_inline_residual_halves_compose_to_the_layer():
 def test_last_segment_norms_with_or_without_a_residual():
     _, hidden, residual = _inputs()
     norm = AddRMSNorm(DIM)
-    h, r = Segment([], norm).forward(torch.arange(TOKENS), hidden, residual)
+    h, r, _ = Segment([], norm).forward(torch.arange(TOKENS), hidden, residual)
     torch.testing.assert_close(h, norm(hidden, residual)[0])
-    h, _ = Segment([], norm).forward(torch.arange(TOKENS), hidden, None)
+    h, _, _ = Segment([], norm).forward(torch.arange(TOKENS), hidden, None)
     torch.testing.assert_close(h, norm(hidden))
+
+
+@torch.no_grad()
+def test_segments_tap_the_inputs_of_the_auxiliary_layers():
+    """EAGLE-3's auxiliary hidden states: the segments return the residual stream
+    entering each tapped layer (``len(layers)``: the final norm's), as vLLM's model
+    loop does, also where a tap is a drop layer (its mixer half's input) or the layer
+    after one (its FFN half's output)."""
+    torch.manual_seed(0)
+    layers = [GptOssLikeLayer(DIM) for _ in range(6)]
+    norm = AddRMSNorm(DIM)
+    positions, hidden, _ = _inputs()
+    taps = (0, 1, 2, 4, 6)
+    want, residual = [], None
+    h = hidden
+    for k, layer in enumerate(layers):
+        if k in taps:
+            want.append(h if residual is None else h + residual)
+        h, residual = layer(h, positions, residual)
+    want.append(h + residual)
+    final = norm(h, residual)[0]
+    segments = build_segments(
+        layers,
+        [1, 3],
+        norm,
+        mixer=("input_layernorm", "attn"),
+        ffn=("post_attention_layernorm", "mlp"),
+        taps=(6, *taps),  # in any order, repeated: vLLM's loop appends once, in order
+    )
+    got, h, r = [], hidden, None
+    for segment in segments:
+        h, r, tapped = segment.forward(positions, h, r)
+        got.extend(tapped)
+    assert [len(seg.taps) for seg in segments] == [2, 1, 2]
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h, final, rtol=1e-6, atol=1e-6)
 
 
 def test_layer_half_names_missing_sub_modules():

@@ -4,6 +4,7 @@ from uniprefill.testing.engines import shutdown_engine, spec_decode_counts, tiny
 from uniprefill.testing.tiny_models import (
     ARCHS,
     assert_varied_greedy,
+    build_tiny_eagle3_drafter,
     build_tiny_eagle_drafter,
     build_tiny_model,
     build_tiny_mtp_model,
@@ -20,6 +21,7 @@ from uniprefill.testing.tiny_models import (
 __all__ = [
     "ARCHS",
     "assert_varied_greedy",
+    "build_tiny_eagle3_drafter",
     "build_tiny_eagle_drafter",
     "build_tiny_model",
     "build_tiny_mtp_model",

@@ -358,6 +358,64 @@ def build_tiny_eagle_drafter(target: Path, out_dir: Path, *, seed: int = 0) -> P
     return out_dir
 
 
+def build_tiny_eagle3_drafter(target: Path, out_dir: Path, *, seed: int = 0) -> Path:
+    """An EAGLE-3 drafter for the tiny Llama ``target`` (vLLM's ``Eagle3LlamaForCausalLM``):
+    ``fc`` over three auxiliary hidden states, one decoder layer, a norm and an LM head.
+
+    It drafts what ``build_tiny_eagle_drafter``'s does, the target's own greedy token
+    at the previous position, from the auxiliary states: ``fc`` takes the last one (the
+    input of the final norm), the layer adds nothing (zero output projections), and the
+    norm and LM head are the target's. The first two (inputs of layer 1 and of the
+    middle layer) are read but weigh nothing.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((Path(target) / "config.json").read_text())
+    if config.get("model_type") != "llama":
+        raise ValueError(f"build_tiny_eagle3_drafter needs a tiny Llama, not {target}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    num_layers = config["num_hidden_layers"]
+    aux = [1, num_layers // 2 + 1, num_layers]
+    drafter = {
+        **config,
+        "num_hidden_layers": 1,
+        "architectures": ["Eagle3LlamaForCausalLM"],
+        "eagle_aux_hidden_state_layer_ids": aux,
+    }
+    (out_dir / "config.json").write_text(json.dumps(drafter, indent=1))
+    h, ffn = config["hidden_size"], config["intermediate_size"]
+    q, kv = (config[k] * config["head_dim"] for k in ("num_attention_heads", "num_key_value_heads"))
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.1
+
+    target_weights = {}
+    for f in Path(target).glob("*.safetensors"):
+        target_weights.update(load_file(str(f)))
+    layer = "midlayer."  # EAGLE-3 checkpoints' name of their one decoder layer
+    weights = {
+        "fc.weight": torch.cat([torch.zeros(h, 2 * h), torch.eye(h)], dim=1),
+        layer + "input_layernorm.weight": torch.ones(h),
+        layer + "hidden_norm.weight": torch.ones(h),
+        # layer 0 attends over [embedding, hidden]
+        layer + "self_attn.q_proj.weight": rand(q, 2 * h),
+        layer + "self_attn.k_proj.weight": rand(kv, 2 * h),
+        layer + "self_attn.v_proj.weight": rand(kv, 2 * h),
+        layer + "self_attn.o_proj.weight": torch.zeros(h, q),
+        layer + "post_attention_layernorm.weight": torch.ones(h),
+        layer + "mlp.gate_proj.weight": rand(ffn, h),
+        layer + "mlp.up_proj.weight": rand(ffn, h),
+        layer + "mlp.down_proj.weight": torch.zeros(h, ffn),
+        "norm.weight": target_weights["model.norm.weight"].clone(),
+        "lm_head.weight": target_weights["lm_head.weight"].clone(),
+    }
+    save_file(weights, str(out_dir / "model.safetensors"))
+    return out_dir
+
+
 def build_tiny_mtp_model(target: Path, out_dir: Path) -> Path:
     """The tiny Qwen3-Next ``target`` with one MTP head (``num_nextn_predict_layers`` 1,
     ``mtp.*`` weights in its checkpoint), for ``speculative_config={"method": "mtp"}``.

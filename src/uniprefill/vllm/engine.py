@@ -168,38 +168,37 @@ def _check_data_parallel(vllm_config: VllmConfig) -> None:
 
 # The n-gram (prompt lookup) methods: drafts come from the request's token ids only.
 NGRAM_METHODS = ("ngram", "ngram_gpu")
-# EAGLE(-1) and MTP heads: a drafter of its own (not UniPrefill's class) fed with the
-# target's last hidden states, which a dropping prefill leaves as zeros at dropped tokens.
-HIDDEN_STATE_METHODS = ("eagle", "mtp")
+# EAGLE(-1), EAGLE-3 and MTP heads: a drafter of its own (not UniPrefill's class) fed
+# with the target's last (EAGLE-3: some intermediate layers') hidden states, which a
+# dropping prefill leaves as zeros at dropped tokens.
+HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp")
 
 
 def _check_speculative(vllm_config: VllmConfig) -> None:
-    """Speculative decoding: n-gram drafts (where V2 has their speculator), EAGLE, MTP.
+    """Speculative decoding: n-gram drafts (where V2 has their speculator), EAGLE(-3), MTP.
 
     Verification steps are decode steps of k+1 tokens per request, which UniPrefill
     runs with each stage's own KV lengths like any decode. The n-gram drafter reads
     token ids only; an EAGLE or MTP head runs its own layers over the whole prompt with
-    the target's last hidden states, zeros at dropped tokens (docs/usage.md).
+    the target's hidden states, zeros at dropped tokens (docs/usage.md).
     """
     spec = vllm_config.speculative_config
     if spec is None:
         return
     method = spec.method
-    if method == "eagle3":
-        raise refuse(
-            "speculative decoding with method='eagle3'",
-            "EAGLE-3 drafters read the hidden states of intermediate target layers "
-            "(aux_hidden_state_layers), which UniPrefill's dropping forward does not "
-            "return at every prompt position; EAGLE-1 (method='eagle'), MTP heads and the "
-            "n-gram methods are supported",
-        )
     if method not in NGRAM_METHODS + HIDDEN_STATE_METHODS:
         raise refuse(
             f"speculative decoding with method={method!r}",
-            "UniPrefill runs the n-gram methods (ngram, ngram_gpu), EAGLE-1 (eagle) and "
-            "MTP heads (mtp). DFlash and DSpark are not tested (no such drafter of a "
+            "UniPrefill runs the n-gram methods (ngram, ngram_gpu), EAGLE (eagle, eagle3) "
+            "and MTP heads (mtp). DFlash and DSpark are not tested (no such drafter of a "
             "supported family is built here); a separate draft model of the target's "
             "architecture would load UniPrefill's model class and drop in its own prefill",
+        )
+    if method == "eagle3" and vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise refuse(
+            "speculative decoding with method='eagle3' and pipeline_parallel_size > 1",
+            "not tested: the auxiliary hidden states of a dropping step would have to "
+            "travel between pipeline ranks at every row of the step",
         )
     if method in NGRAM_METHODS and not versions.has_v2_ngram_speculator():
         import vllm

@@ -313,10 +313,18 @@ class UniPrefillRuntime:
         an earlier chunk's placeholders). Stashed tokens have no row of the step's
         input: they land in a spare row that is cut off.
         """
+        out = self.at_step_rows(hidden_states)
         walk, self.walk = self.walk, None
-        if walk is None or walk.kept_at is None:  # kept_at is set by the first compaction
+        if walk is not None and walk.kept_at is not None:
+            self._record(walk)
+        return out
+
+    def at_step_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the walk's current token set at the step's rows, zeros at
+        dropped rows (as is before the first compaction)."""
+        walk = self.walk
+        if walk is None or walk.gather_total is None:
             return hidden_states
-        self._record(walk)
         rows = walk.num_tokens_padded
         out = hidden_states.new_zeros((rows + 1, *hidden_states.shape[1:]))
         out.index_copy_(0, walk.gather_total.clamp(max=rows), hidden_states)

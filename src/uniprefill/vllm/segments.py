@@ -91,28 +91,41 @@ def layer_half(
 
 
 class Segment:
-    """Layers (or halves) run on one token set, with the model's final norm if last."""
+    """Layers (or halves) run on one token set, with the model's final norm if last.
 
-    def __init__(self, pieces: Sequence[nn.Module], norm: nn.Module | None) -> None:
+    ``taps`` are piece indices before which the residual stream (hidden plus
+    residual) is returned too, in order: an EAGLE-3 drafter's auxiliary hidden states
+    (vLLM's ``aux_hidden_state_layers``); ``len(pieces)`` is before the final norm.
+    """
+
+    def __init__(
+        self, pieces: Sequence[nn.Module], norm: nn.Module | None, taps: Sequence[int] = ()
+    ) -> None:
         self.pieces = list(pieces)
         self.norm = norm
+        self.taps = tuple(taps)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        for piece in self.pieces:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
+        tapped: list[torch.Tensor] = []
+        for i, piece in enumerate(self.pieces):
+            if i in self.taps:
+                tapped.append(hidden if residual is None else hidden + residual)
             hidden, residual = piece(positions=positions, hidden_states=hidden, residual=residual)
+        if len(self.pieces) in self.taps:
+            tapped.append(hidden if residual is None else hidden + residual)
         if self.norm is not None:
             if residual is None:
-                return self.norm(hidden), None
+                return self.norm(hidden), None, tuple(tapped)
             hidden, _ = self.norm(hidden, residual)
-            return hidden, residual
+            return hidden, residual, tuple(tapped)
         if residual is None:
             # Layers that add their residual inline and return none (Gemma 4): the
             # runtime gathers a residual at the gather point, and the next layer reads
             # only the hidden states.
             residual = torch.zeros_like(hidden)
-        return hidden, residual
+        return hidden, residual, tuple(tapped)
 
 
 def build_segments(
@@ -125,6 +138,7 @@ def build_segments(
     zeroed: Sequence[str] = (),
     mixer_attrs: Mapping[str, Any] | None = None,
     first: int = 0,
+    taps: Sequence[int] = (),
 ) -> list[Segment]:
     """``len(drop_layers) + 1`` segments covering ``layers[first:]`` and the final
     ``norm`` (a pipeline rank: its own layers and drop layers; no norm before the last).
@@ -133,18 +147,29 @@ def build_segments(
     ``ffn`` those from its gather module on; ``ffn_attrs_off`` are flags of the
     layer that apply to the mixer's output and must not apply twice. ``zeroed``
     sub-modules return zeros where skipped, and ``mixer_attrs`` are attributes the
-    mixer half sets (``DecoderLayout`` says why a family needs them).
+    mixer half sets (``DecoderLayout`` says why a family needs them). ``taps`` are
+    layer indices ``k`` whose input (the residual stream after layers ``< k``;
+    ``len(layers)``: before the final norm) the segments return as well, as vLLM's
+    models do for ``aux_hidden_state_layers``: a drop layer's input is its mixer
+    half's, in the segment it ends.
     """
+
+    def local_taps(lo: int, hi: int, offset: int) -> list[int]:
+        # taps k in [lo, hi]: before piece k - lo (+1 after a previous FFN half)
+        return [k - lo + offset for k in sorted(set(taps)) if lo <= k <= hi]
+
     segments: list[Segment] = []
     start: nn.Module | None = None  # FFN half of the previous drop layer
     for d in drop_layers:
+        offset = int(start is not None)
         pieces = ([start] if start is not None else []) + list(layers[first:d])
         pieces.append(layer_half(layers[d], skip=ffn, zero=zeroed, attrs=mixer_attrs))
-        segments.append(Segment(pieces, None))
+        segments.append(Segment(pieces, None, local_taps(first, d, offset)))
         start = layer_half(layers[d], skip=mixer, attrs_off=ffn_attrs_off, zero=zeroed)
         first = d + 1
+    offset = int(start is not None)
     pieces = ([start] if start is not None else []) + list(layers[first:])
-    segments.append(Segment(pieces, norm))
+    segments.append(Segment(pieces, norm, local_taps(first, len(layers), offset)))
     return segments
 
 
@@ -166,7 +191,7 @@ def _inductor(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
 
 SegmentFn = Callable[
     [torch.Tensor, torch.Tensor, "torch.Tensor | None"],
-    "tuple[torch.Tensor, torch.Tensor | None]",
+    "tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]",
 ]
 
 
@@ -187,7 +212,7 @@ def compile_segment(segment: Segment, index: int) -> SegmentFn:
 
     def run(
         positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
         for t in (positions, hidden, residual):
             if t is not None:
                 torch._dynamo.maybe_mark_dynamic(t, 0)

@@ -104,7 +104,9 @@ class UniPrefillModel:
             _score_in_attention(self, d, attention)
         if cfg.free_kv_blocks:
             _report_stage_specs(layers, self.drop_layers, fam)
-        self._segments = self._build_segments()
+        # An EAGLE-3 drafter's auxiliary hidden states: the inputs of these layers
+        # (vLLM sets them after loading, through set_aux_hidden_state_layers).
+        self._aux_layers: tuple[int, ...] = ()
         # Compiled as vLLM's own model is, unless the setting says otherwise (with LoRA:
         # eager, see uniprefill.vllm.lora).
         self._compiled = cfg.compile_drop_steps
@@ -113,11 +115,15 @@ class UniPrefillModel:
 
             compiles = vllm_config.compilation_config.mode != CompilationMode.NONE
             self._compiled = compiles and not self._uses_lora
+        self._set_segments()
+        self._segments_warm = not self._compiled
+
+    def _set_segments(self) -> None:
+        self._segments = self._build_segments()
         self._segment_fns: list[SegmentFn] = [
             compile_segment(seg, i) if self._compiled else seg.forward
             for i, seg in enumerate(self._segments)
         ]
-        self._segments_warm = not self._compiled
 
     def _build_segments(self) -> list[Segment]:
         """This rank's layers in segments between its drop layers (all layers without PP)."""
@@ -134,7 +140,20 @@ class UniPrefillModel:
             ffn_attrs_off=fam.layout.ffn_attrs_off,
             zeroed=fam.layout.zeroed,
             mixer_attrs=fam.layout.mixer_attrs,
+            taps=self._aux_layers,
         )
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """vLLM's EAGLE-3 seam (``SupportsEagle3``): dropping steps return these layers'
+        inputs too, at every row of the step (zeros at dropped tokens, as the last
+        hidden states; docs/usage.md)."""
+        super().set_aux_hidden_state_layers(layers)  # type: ignore[misc]
+        if self.uniprefill_config is None:
+            return
+        if self._segments_warm and self._compiled:
+            raise RuntimeError("uniprefill: auxiliary layers set after the segments compiled")
+        self._aux_layers = tuple(sorted(set(layers)))
+        self._set_segments()
 
     def _lora(self) -> LoRATokenMapping | None:
         """The LoRA token mapping of dropping steps (None without LoRA).
@@ -149,8 +168,7 @@ class UniPrefillModel:
         if manager is None:
             raise RuntimeError("uniprefill: LoRA is on but vLLM set no lora_manager on the model")
         assert not self._compiled
-        self._segments = self._build_segments()
-        self._segment_fns = [seg.forward for seg in self._segments]
+        self._set_segments()
         self._lora_mapping = LoRATokenMapping(manager, self.model.layers)  # type: ignore[attr-defined]
         return self._lora_mapping
 
@@ -292,11 +310,13 @@ class UniPrefillModel:
             if walk.stage > 0 and walk.needs_metadata():
                 state.stage_metadata(walk)
         self._dropping = True
+        aux: list[torch.Tensor] = []  # EAGLE-3's, at the step's rows
         try:
             for run_segment, drop in zip(
                 self._segment_fns, (*self._local_drops, None), strict=True
             ):
-                hidden, residual = run_segment(walk.positions, hidden, residual)
+                hidden, residual, taps = run_segment(walk.positions, hidden, residual)
+                aux.extend(rt.at_step_rows(t) for t in taps)
                 if drop is not None:  # walk.positions shrinks here; the next stage starts
                     hidden, residual = rt.on_gather_point(drop, hidden, residual)
                     if lora is not None:
@@ -308,7 +328,8 @@ class UniPrefillModel:
             if lora is not None:
                 lora.end()
         if self._pp_last:
-            return rt.finish_forward(hidden)
+            hidden = rt.finish_forward(hidden)
+            return (hidden, aux) if self._aux_layers else hidden
         from vllm.sequence import IntermediateTensors
 
         assert residual is not None
@@ -385,7 +406,7 @@ class UniPrefillModel:
                     if residual is not None:
                         residual = residual.new_zeros((tokens, *residual.shape[1:]))
                     positions = positions.new_zeros((*positions.shape[:-1], tokens))
-                hidden, residual = run_segment(positions, hidden, residual)
+                hidden, residual, _ = run_segment(positions, hidden, residual)
         except Exception as e:
             if not (first_run and self._compiled):
                 raise
