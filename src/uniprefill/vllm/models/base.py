@@ -302,8 +302,11 @@ class UniPrefillModel:
                 inputs_embeds if inputs_embeds is not None else inner.embed_input_ids(input_ids)
             )
             residual = None
-        else:  # a pipeline rank after the first (without LoRA: refused at start-up)
+        else:  # a pipeline rank after the first
             walk = rt.resume_walk(positions, intermediate_tensors[CARRY_KEY], self._first_stage)
+            if lora is not None:  # vLLM mapped the step's tokens; this rank gets the kept
+                lora.begin(walk.plan.qlen0)
+                lora.follow(walk.qlen)
             kept = walk.positions.shape[-1]
             hidden = intermediate_tensors["hidden_states"][:kept]
             residual = intermediate_tensors["residual"][:kept]
