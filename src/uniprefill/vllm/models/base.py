@@ -39,6 +39,18 @@ logger = logging.getLogger("vllm.uniprefill")
 CARRY_KEY = "uniprefill_walk"
 
 
+def is_draft_model(vllm_config: VllmConfig) -> bool:
+    """Whether this model is speculative decoding's separate draft model (method
+    "draft_model"), loaded with the target's config but its own model config."""
+    spec = vllm_config.speculative_config
+    return (
+        spec is not None
+        and spec.method == "draft_model"
+        and vllm_config.model_config is spec.draft_model_config
+        and spec.draft_model_config is not spec.target_model_config
+    )
+
+
 class UniPrefillModel:
     """Mixed in before vLLM's ``*ForCausalLM`` class of a supported family."""
 
@@ -51,10 +63,13 @@ class UniPrefillModel:
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)  # type: ignore[call-arg]
         self.uniprefill_vllm_config = vllm_config
         cfg = uniprefill_config(vllm_config.additional_config)
+        if cfg is not None and is_draft_model(vllm_config):
+            cfg = None  # a separate draft model drafts densely (docs/usage.md)
         self.uniprefill_config = cfg
         if cfg is None:
             # vLLM keeps a registered override for the rest of the process: a later
-            # engine without UniPrefill gets this class, which then is vLLM's own.
+            # engine without UniPrefill, or a draft model of the target's family, gets
+            # this class, which then is vLLM's own.
             return
         hf_config = vllm_config.model_config.hf_config
         self.drop_layers = self.family.resolve_drop_layers(hf_config, cfg.drop_layers)
