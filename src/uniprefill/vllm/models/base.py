@@ -118,7 +118,7 @@ class UniPrefillModel:
                 )
             _score_in_attention(self, d, attention)
         if cfg.free_kv_blocks:
-            _report_stage_specs(layers, self.drop_layers, fam)
+            _report_stage_specs(layers, self.drop_layers, fam, range(start, end))
         # An EAGLE-3 drafter's auxiliary hidden states: the inputs of these layers
         # (vLLM sets them after loading, through set_aux_hidden_state_layers).
         self._aux_layers: tuple[int, ...] = ()
@@ -487,22 +487,25 @@ class UniPrefillModel:
         return torch.empty(nbytes, dtype=torch.uint8, device=positions.device)
 
 
-def _report_stage_specs(layers: Any, drop_layers: tuple[int, ...], family: ModelFamily) -> None:
-    """free_kv_blocks: each layer's KV spec names its stage, so stages get groups of their own."""
+def _report_stage_specs(
+    layers: Any, drop_layers: tuple[int, ...], family: ModelFamily, own: range
+) -> None:
+    """free_kv_blocks: each layer's KV spec names its stage, so stages get groups of their
+    own (``own``: this pipeline rank's layers; vLLM's PPMissingLayer elsewhere)."""
     from uniprefill.vllm import kv_specs, patches
     from uniprefill.vllm.stages import stage_of_layer
 
     kv_specs.register()
     patches.carry_kept_records()  # records to the scheduler, its notices back
-    for i, layer in enumerate(layers):
-        attention = family.attention(layer)
-        own = attention.get_kv_cache_spec
+    for i in own:
+        attention = family.attention(layers[i])
+        spec_of = attention.get_kv_cache_spec
         stage = stage_of_layer(i, drop_layers)
 
         def get_kv_cache_spec(
-            vllm_config: VllmConfig, own: Any = own, stage: int = stage
+            vllm_config: VllmConfig, spec_of: Any = spec_of, stage: int = stage
         ) -> KVCacheSpec:
-            return kv_specs.stage_spec(own(vllm_config), stage)
+            return kv_specs.stage_spec(spec_of(vllm_config), stage)
 
         attention.get_kv_cache_spec = get_kv_cache_spec
 
