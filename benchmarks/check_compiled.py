@@ -174,14 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     mdir = build_model_dir(
         a.model, Path("/tmp/uniprefill_check_models"), a.max_len, a.dtype, a.layers
     )
-    a.drafter = None
-    if a.eagle:
-        # EAGLE-3: the inputs of layer 1 (before any drop), a middle one and the final
-        # norm (vLLM's default repeats a layer on models of fewer than 8 layers).
-        layers = json.loads((mdir / "config.json").read_text())["num_hidden_layers"]
-        aux = [1, layers // 2 + 1, layers] if a.eagle_method == "eagle3" else None
-        drafter_dir = mdir.parent / f"{mdir.name}-{a.eagle_method}"
-        a.drafter = write_eagle_drafter_config(mdir, drafter_dir, a.eagle_method, aux)
+    drafter_dir = mdir.parent / f"{mdir.name}-{a.eagle_method}"
+    a.drafter = write_eagle_drafter_config(mdir, drafter_dir, a.eagle_method) if a.eagle else None
     runs: dict[str, Any] = {}
     doc: dict[str, Any] = {"argv": sys.argv, "started": time.strftime("%F %T %Z"), "runs": runs}
     for name in a.engines.split(","):

@@ -310,19 +310,19 @@ def cached_tiny_model(arch: Arch, *, root: Path | None = None, **kw: Any) -> Pat
 EAGLE_DRAFTERS = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}
 
 
-def write_eagle_drafter_config(
-    target: Path, out_dir: Path, method: str = "eagle", aux_layers: list[int] | None = None
-) -> Path:
+def write_eagle_drafter_config(target: Path, out_dir: Path, method: str = "eagle") -> Path:
     """An EAGLE (``method`` "eagle") or EAGLE-3 ("eagle3") head's ``config.json`` for the
-    Llama-like ``target``: one decoder layer of the target's shape, vLLM's drafter class;
-    an EAGLE-3 head reads the inputs of ``aux_layers`` (None: the target model's
-    default). Weights are the caller's (dummy ones with ``load_format="dummy"``)."""
+    Llama-like ``target``: one decoder layer of the target's shape, vLLM's drafter class.
+    An EAGLE-3 head reads the inputs of layer 1 (before any drop layer), of a middle
+    layer and of the final norm (vLLM's default repeats a layer on models of fewer than
+    8 layers). Weights are the caller's (dummy ones with ``load_format="dummy"``)."""
     config = json.loads((Path(target) / "config.json").read_text())
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     drafter = {**config, "num_hidden_layers": 1, "architectures": [EAGLE_DRAFTERS[method]]}
-    if aux_layers is not None:
-        drafter["eagle_aux_hidden_state_layer_ids"] = aux_layers
+    if method == "eagle3":
+        num_layers = config["num_hidden_layers"]
+        drafter["eagle_aux_hidden_state_layer_ids"] = [1, num_layers // 2 + 1, num_layers]
     (out_dir / "config.json").write_text(json.dumps(drafter, indent=1))
     return out_dir
 
@@ -339,10 +339,32 @@ def build_tiny_eagle_drafter(target: Path, out_dir: Path, *, seed: int = 0) -> P
     import torch
     from safetensors.torch import save_file
 
+    config = _tiny_llama_config(target, "build_tiny_eagle_drafter")
+    out_dir = write_eagle_drafter_config(target, out_dir)
+    h = config["hidden_size"]
+    weights = {
+        # fc([embedding, hidden]) = hidden
+        "fc.weight": torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1),
+        **_silent_drafter_layer(config, "layers.0.", qkv_in=h, seed=seed),
+    }
+    save_file(weights, str(out_dir / "model.safetensors"))
+    return out_dir
+
+
+def _tiny_llama_config(target: Path, builder: str) -> dict[str, Any]:
     config = json.loads((Path(target) / "config.json").read_text())
     if config.get("model_type") != "llama":
-        raise ValueError(f"build_tiny_eagle_drafter needs a tiny Llama, not {target}")
-    write_eagle_drafter_config(target, out_dir)
+        raise ValueError(f"{builder} needs a tiny Llama, not {target}")
+    return config
+
+
+def _silent_drafter_layer(
+    config: dict[str, Any], prefix: str, qkv_in: int, seed: int
+) -> dict[str, Any]:
+    """A drafter's decoder layer that adds nothing to its residual (zero output
+    projections), with random q/k/v (over ``qkv_in`` features) and MLP inputs."""
+    import torch
+
     h, ffn = config["hidden_size"], config["intermediate_size"]
     q, kv = (config[k] * config["head_dim"] for k in ("num_attention_heads", "num_key_value_heads"))
     gen = torch.Generator().manual_seed(seed)
@@ -350,21 +372,16 @@ def build_tiny_eagle_drafter(target: Path, out_dir: Path, *, seed: int = 0) -> P
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * 0.1
 
-    layer = "layers.0."
-    weights = {
-        # fc([embedding, hidden]) = hidden
-        "fc.weight": torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1),
-        layer + "self_attn.q_proj.weight": rand(q, h),
-        layer + "self_attn.k_proj.weight": rand(kv, h),
-        layer + "self_attn.v_proj.weight": rand(kv, h),
-        layer + "self_attn.o_proj.weight": torch.zeros(h, q),
-        layer + "post_attention_layernorm.weight": torch.ones(h),
-        layer + "mlp.gate_proj.weight": rand(ffn, h),
-        layer + "mlp.up_proj.weight": rand(ffn, h),
-        layer + "mlp.down_proj.weight": torch.zeros(h, ffn),
+    return {
+        prefix + "self_attn.q_proj.weight": rand(q, qkv_in),
+        prefix + "self_attn.k_proj.weight": rand(kv, qkv_in),
+        prefix + "self_attn.v_proj.weight": rand(kv, qkv_in),
+        prefix + "self_attn.o_proj.weight": torch.zeros(h, q),
+        prefix + "post_attention_layernorm.weight": torch.ones(h),
+        prefix + "mlp.gate_proj.weight": rand(ffn, h),
+        prefix + "mlp.up_proj.weight": rand(ffn, h),
+        prefix + "mlp.down_proj.weight": torch.zeros(h, ffn),
     }
-    save_file(weights, str(out_dir / "model.safetensors"))
-    return out_dir
 
 
 def build_tiny_eagle3_drafter(target: Path, out_dir: Path, *, seed: int = 0) -> Path:
@@ -380,19 +397,9 @@ def build_tiny_eagle3_drafter(target: Path, out_dir: Path, *, seed: int = 0) -> 
     import torch
     from safetensors.torch import load_file, save_file
 
-    config = json.loads((Path(target) / "config.json").read_text())
-    if config.get("model_type") != "llama":
-        raise ValueError(f"build_tiny_eagle3_drafter needs a tiny Llama, not {target}")
-    num_layers = config["num_hidden_layers"]
-    aux = [1, num_layers // 2 + 1, num_layers]
-    out_dir = write_eagle_drafter_config(target, out_dir, "eagle3", aux)
-    h, ffn = config["hidden_size"], config["intermediate_size"]
-    q, kv = (config[k] * config["head_dim"] for k in ("num_attention_heads", "num_key_value_heads"))
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * 0.1
-
+    config = _tiny_llama_config(target, "build_tiny_eagle3_drafter")
+    out_dir = write_eagle_drafter_config(target, out_dir, "eagle3")
+    h = config["hidden_size"]
     target_weights = {}
     for f in Path(target).glob("*.safetensors"):
         target_weights.update(load_file(str(f)))
@@ -402,14 +409,7 @@ def build_tiny_eagle3_drafter(target: Path, out_dir: Path, *, seed: int = 0) -> 
         layer + "input_layernorm.weight": torch.ones(h),
         layer + "hidden_norm.weight": torch.ones(h),
         # layer 0 attends over [embedding, hidden]
-        layer + "self_attn.q_proj.weight": rand(q, 2 * h),
-        layer + "self_attn.k_proj.weight": rand(kv, 2 * h),
-        layer + "self_attn.v_proj.weight": rand(kv, 2 * h),
-        layer + "self_attn.o_proj.weight": torch.zeros(h, q),
-        layer + "post_attention_layernorm.weight": torch.ones(h),
-        layer + "mlp.gate_proj.weight": rand(ffn, h),
-        layer + "mlp.up_proj.weight": rand(ffn, h),
-        layer + "mlp.down_proj.weight": torch.zeros(h, ffn),
+        **_silent_drafter_layer(config, layer, qkv_in=2 * h, seed=seed),
         "norm.weight": target_weights["model.norm.weight"].clone(),
         "lm_head.weight": target_weights["lm_head.weight"].clone(),
     }
